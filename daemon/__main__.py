@@ -1,0 +1,95 @@
+"""The command line: ``devplugd run|check-config``. It only builds Settings and calls the app."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from daemon import __version__
+from daemon.core._settings import REGISTRATION_MODES, Settings
+from daemon.logs import LEVELS, configure_logging
+
+DEFAULTS = Settings()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="devplugd",
+        description="Kubernetes device plugin daemon: serves PCI and device-node pools to the kubelet.",
+    )
+    parser.add_argument("--version", action="version", version=f"devplugd {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="serve the pools of a config file (in the foreground)")
+    run.add_argument("--config", type=Path, default=DEFAULTS.config_path, help="pool config file (default: %(default)s)")
+    run.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix,
+                     help="prefix of resource names without their own resourcePrefix (default: %(default)s)")
+    run.add_argument("--sysfs-root", type=Path, default=DEFAULTS.sysfs_root, help="where sysfs is read (default: %(default)s)")
+    run.add_argument("--dev-root", type=Path, default=DEFAULTS.dev_root, help="where device nodes are found (default: %(default)s)")
+    run.add_argument("--proc-root", type=Path, default=DEFAULTS.proc_root,
+                     help="where procfs is read, for IPv4 default routes (default: %(default)s)")
+    run.add_argument("--device-plugin-dir", type=Path, default=DEFAULTS.device_plugin_dir,
+                     help="the kubelet's device-plugin directory, with kubelet.sock (default: %(default)s)")
+    run.add_argument("--plugins-registry-dir", type=Path, default=DEFAULTS.plugins_registry_dir,
+                     help="the kubelet's plugin-watcher directory (default: %(default)s)")
+    run.add_argument("--registration", choices=REGISTRATION_MODES, default=DEFAULTS.registration,
+                     help="kubelet: Register on kubelet.sock; watcher: a socket under plugins_registry; "
+                          "none: serve sockets without registering; auto: watcher if the plugins_registry "
+                          "directory exists, else kubelet (default: %(default)s)")
+    run.add_argument("--devinfo-dir", type=Path, default=DEFAULTS.devinfo_dir,
+                     help="where Multus device-info files are written (default: %(default)s)")
+    run.add_argument("--cdi-dir", type=Path, default=DEFAULTS.cdi_dir, help="CDI spec directory (default: %(default)s)")
+    run.add_argument("--state-dir", type=Path, default=DEFAULTS.state_dir, help="state directory (default: %(default)s)")
+    run.add_argument("--log-level", choices=LEVELS, default="info", help="(default: %(default)s)")
+
+    check = commands.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
+    check.add_argument("path", type=Path)
+    check.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix, help="(default: %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = _parser().parse_args(argv)
+    from daemon import app  # after argument parsing, so --help and --version stay fast
+
+    if arguments.command == "check-config":
+        configure_logging("warning")
+        return _check_config(arguments.path, arguments.resource_prefix)
+    configure_logging(arguments.log_level)
+    settings = Settings(
+        config_path=arguments.config,
+        resource_prefix=arguments.resource_prefix,
+        sysfs_root=arguments.sysfs_root,
+        dev_root=arguments.dev_root,
+        proc_root=arguments.proc_root,
+        device_plugin_dir=arguments.device_plugin_dir,
+        plugins_registry_dir=arguments.plugins_registry_dir,
+        registration=arguments.registration,
+        devinfo_dir=arguments.devinfo_dir,
+        cdi_dir=arguments.cdi_dir,
+        state_dir=arguments.state_dir,
+    )
+    return app.run(settings)
+
+
+def _check_config(path: Path, resource_prefix: str) -> int:
+    from daemon import app
+    from daemon.core._config import ConfigFileError
+
+    try:
+        _, config = app.load(Settings(resource_prefix=resource_prefix), config_path=path)
+    except ConfigFileError as error:
+        print(f"devplugd: {error}", file=sys.stderr)
+        return app.EXIT_BAD_CONFIG
+    for warning in config.warnings:
+        print(f"devplugd: warning: {warning}", file=sys.stderr)
+    for pool in config.pools:
+        print(f"{pool.resource}\t{pool.entry.device_type}")
+    print(f"config {path}: valid, {len(config.pools)} pools")
+    return app.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The life of the daemon, in order: load → start → serve → stop.
+
+``run(settings)`` is all the CLI calls. It reads like a table of contents: load the handlers and
+the config (exit 2 on a bad one), then inside trio (with the asyncio loop that hosts grpc.aio)
+start the kernel loop and the sources, put the first ``Resync`` on the bus, and serve until
+SIGTERM/SIGINT; then every endpoint ends its streams, stops its server and removes its socket,
+and the handlers clean their side files.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import trio
+import trio_asyncio
+
+from daemon.core import Event, HandlerContext, PoolLifecycle, Resync
+from daemon.core._config import ConfigFileError, DaemonConfig, load_config
+from daemon.core._handler import Handler
+from daemon.core._notifier import Notifier
+from daemon.core._plugins import PluginManager
+from daemon.core._registry import HandlerLoadError, load_handlers, parser_table
+from daemon.core._settings import Settings
+from daemon.kernel import Kernel
+from daemon.sources.kubelet_dir import KubeletDirWatcher
+
+log = logging.getLogger("devplugd")
+
+EXIT_OK = 0
+EXIT_BAD_CONFIG = 2
+EXIT_FAILURE = 1
+BUS_CAPACITY = 1024
+
+
+def handler_context(settings: Settings) -> HandlerContext:
+    return HandlerContext(
+        sysfs_root=settings.sysfs_root,
+        dev_root=settings.dev_root,
+        proc_root=settings.proc_root,
+        devinfo_dir=settings.devinfo_dir,
+    )
+
+
+def load(settings: Settings, config_path: Path | None = None) -> tuple[dict[str, Handler], DaemonConfig]:
+    """Find the handlers and validate the config with them. Raises ConfigFileError."""
+    handlers = load_handlers(handler_context(settings))
+    config = load_config(config_path or settings.config_path, settings.resource_prefix, parser_table(handlers))
+    return handlers, config
+
+
+def run(settings: Settings) -> int:
+    try:
+        handlers, config = load(settings)
+    except ConfigFileError as error:
+        log.error("%s", error, extra={"CONFIG_PATH": error.json_path})
+        return EXIT_BAD_CONFIG
+    except HandlerLoadError as error:
+        log.error("%s", error)
+        return EXIT_FAILURE
+    for warning in config.warnings:
+        log.warning("config %s: %s", config.source, warning)
+    log.info("config %s: %d pools", config.source, len(config.pools))
+    trio.run(_serve, settings, handlers, config)
+    return EXIT_OK
+
+
+async def _serve(settings: Settings, handlers: dict[str, Handler], config: DaemonConfig) -> None:
+    async with trio_asyncio.open_loop():
+        notifier = Notifier()
+        _pools_started(handlers, config)
+        try:
+            async with trio.open_nursery() as nursery:
+                plugins = PluginManager(settings, notifier, handlers, nursery)
+                log.info("registration mode: %s", plugins.mode)
+                plugins.remove_stale_sockets()
+                send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
+                kernel = Kernel(handlers, config, notifier, plugins)
+                nursery.start_soon(kernel.run, receive_channel)
+                watched = [settings.plugins_registry_dir if plugins.mode == "watcher" else settings.device_plugin_dir]
+                if plugins.mode == "watcher":
+                    watched.append(settings.device_plugin_dir)
+                watched[0].mkdir(mode=0o750, parents=True, exist_ok=True)
+                watcher = KubeletDirWatcher(watched, settings.device_plugin_dir)
+                nursery.start_soon(watcher.run, send_channel.clone())
+                await send_channel.send(Resync(None, "start"))
+                await _wait_for_stop_signal()
+                log.info("stopping")
+                nursery.cancel_scope.cancel()
+        finally:
+            _pools_stopped(handlers, config)
+    log.info("stopped")
+
+
+async def _wait_for_stop_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                log.warning("SIGHUP: config reload is not available yet; still serving the loaded config")
+                continue
+            log.info("received %s", signal.Signals(signum).name)
+            return
+
+
+def _pools_started(handlers: dict[str, Handler], config: DaemonConfig) -> None:
+    for name, handler in handlers.items():
+        if isinstance(handler, PoolLifecycle):
+            handler.pools_started(config.pools_of(name))
+
+
+def _pools_stopped(handlers: dict[str, Handler], config: DaemonConfig) -> None:
+    for name, handler in handlers.items():
+        if isinstance(handler, PoolLifecycle):
+            try:
+                handler.pools_stopped(config.pools_of(name))
+            except Exception:
+                log.exception("handler %s failed to clean up", name)

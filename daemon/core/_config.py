@@ -1,0 +1,190 @@
+"""The pool config file: the SR-IOV network device plugin's format, read exactly as it reads it.
+
+``{"resourceList": [ {resourceName, resourcePrefix, deviceType, excludeTopology,
+additionalInfo, selectors, ...}, ... ]}`` with Go's case-insensitive keys and ignored unknown
+keys. This module parses the fields every pool has; the handler that serves a pool's
+``deviceType`` parses the rest (its selectors). Errors name the JSON path and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from ._jsonpath import ConfigError, ConfigObject, describe, expect_type
+from ._names import extended_resource_name_problem, resource_name_problem
+
+DEFAULT_DEVICE_TYPE = "netDevice"
+
+
+@dataclass(frozen=True)
+class PoolEntry:
+    """The fields common to every pool, as written in the file."""
+
+    index: int
+    json_path: str
+    resource_name: str
+    resource_prefix: str
+    device_type: str
+    exclude_topology: bool
+    additional_info: Mapping[str, Mapping[str, str]] | None
+    selectors: tuple[ConfigObject, ...]
+    raw: ConfigObject
+
+    @property
+    def resource(self) -> str:
+        return f"{self.resource_prefix}/{self.resource_name}"
+
+
+@dataclass(frozen=True)
+class ConfiguredPool:
+    """A pool entry together with the handler that serves it and that handler's parsed spec."""
+
+    entry: PoolEntry
+    handler: str
+    spec: Any
+
+    @property
+    def resource(self) -> str:
+        return self.entry.resource
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """A validated config file: its pools in file order and the warnings parsing it gave."""
+
+    source: str
+    pools: tuple[ConfiguredPool, ...]
+    warnings: tuple[str, ...]
+
+    def pools_of(self, handler: str) -> tuple[ConfiguredPool, ...]:
+        return tuple(pool for pool in self.pools if pool.handler == handler)
+
+
+class ConfigFileError(Exception):
+    """The config file cannot be used. ``str(error)`` names the file, the JSON path and why."""
+
+    def __init__(self, source: str, error: ConfigError | str) -> None:
+        detail = str(error)
+        super().__init__(f"config {source}: {detail}")
+        self.source = source
+        self.json_path = error.json_path if isinstance(error, ConfigError) else "$"
+
+
+PoolParser = Callable[[PoolEntry], Any]
+# deviceType -> (handler name, parser of that handler)
+ParserTable = Mapping[str, tuple[str, PoolParser]]
+
+
+def load_config(path: Path, default_prefix: str, parsers: ParserTable) -> DaemonConfig:
+    """Read and validate the config file at ``path``; raise ConfigFileError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigFileError(str(path), f"cannot read: {error}") from error
+    return parse_config(text, str(path), default_prefix, parsers)
+
+
+def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTable) -> DaemonConfig:
+    """Validate a config document; raise ConfigFileError naming the first problem."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigFileError(source, f"$: not valid JSON: {error}") from error
+    warnings: list[str] = []
+    try:
+        root = ConfigObject(expect_type(document, dict, "$"), "$")
+        if not root.has("resourceList"):
+            raise ConfigError("$.resourceList", "is required")
+        pools: list[ConfiguredPool] = []
+        resources: dict[str, str] = {}
+        for index, item in enumerate(root.get("resourceList", list, [])):
+            json_path = f"$.resourceList[{index}]"
+            entry = _parse_entry(index, item, json_path, default_prefix, warnings)
+            if entry is None:
+                continue
+            if entry.device_type not in parsers:
+                known = ", ".join(sorted(parsers))
+                raise ConfigError(
+                    f"{json_path}.deviceType",
+                    f"unknown deviceType {entry.device_type!r} (known: {known})",
+                )
+            handler_name, parse_pool = parsers[entry.device_type]
+            if entry.resource in resources:
+                raise ConfigError(
+                    f"{json_path}.resourceName",
+                    f"duplicate resource {entry.resource!r} (also at {resources[entry.resource]})",
+                )
+            resources[entry.resource] = json_path
+            pools.append(ConfiguredPool(entry=entry, handler=handler_name, spec=parse_pool(entry)))
+    except ConfigError as error:
+        raise ConfigFileError(source, error) from error
+    return DaemonConfig(source=source, pools=tuple(pools), warnings=tuple(warnings))
+
+
+def _parse_entry(
+    index: int, item: Any, json_path: str, default_prefix: str, warnings: list[str]
+) -> PoolEntry | None:
+    pool = ConfigObject(expect_type(item, dict, json_path), json_path)
+    resource_name = pool.require("resourceName", str)
+    if problem := resource_name_problem(resource_name):
+        raise ConfigError(pool.path_of("resourceName"), problem)
+    resource_prefix = pool.get("resourcePrefix", str, "") or default_prefix
+    resource = f"{resource_prefix}/{resource_name}"
+    if problem := extended_resource_name_problem(resource):
+        where = "resourcePrefix" if pool.has("resourcePrefix") else "resourceName"
+        raise ConfigError(pool.path_of(where), f"resource name {resource!r} is invalid: {problem}")
+    device_type = pool.get("deviceType", str, "") or DEFAULT_DEVICE_TYPE
+    exclude_topology = pool.get("excludeTopology", bool, False)
+    additional_info = _parse_additional_info(pool)
+
+    if not pool.has("selectors") or pool.raw("selectors") is None:
+        raise ConfigError(pool.path_of("selectors"), "is required (an object or a list of objects)")
+    raw_selectors = pool.raw("selectors")
+    selectors_path = pool.path_of("selectors")
+    if isinstance(raw_selectors, dict):
+        selectors = (ConfigObject(raw_selectors, selectors_path),)
+    elif isinstance(raw_selectors, list) and raw_selectors and all(isinstance(s, dict) for s in raw_selectors):
+        selectors = tuple(
+            ConfigObject(selector, f"{selectors_path}[{position}]")
+            for position, selector in enumerate(raw_selectors)
+        )
+    else:
+        # The SR-IOV plugin logs and skips such a pool rather than failing the file.
+        reason = "is an empty list" if raw_selectors == [] else (
+            f"must be an object or a list of objects, not {describe(raw_selectors)}"
+        )
+        warnings.append(f"{selectors_path}: {reason}; pool {resource!r} is skipped")
+        return None
+    return PoolEntry(
+        index=index,
+        json_path=json_path,
+        resource_name=resource_name,
+        resource_prefix=resource_prefix,
+        device_type=device_type,
+        exclude_topology=exclude_topology,
+        additional_info=additional_info,
+        selectors=selectors,
+        raw=pool,
+    )
+
+
+def _parse_additional_info(pool: ConfigObject) -> Mapping[str, Mapping[str, str]] | None:
+    """``additionalInfo``; ``None`` when absent or null (an empty object is kept: upstream then
+    still adds an empty ``extra`` provider to ``_INFO``)."""
+    info = pool.object("additionalInfo")
+    if info is None:
+        return None
+    parsed: dict[str, Mapping[str, str]] = {}
+    for device_key in info.keys():
+        values = info.object(device_key)
+        if values is None:
+            continue
+        parsed[device_key] = MappingProxyType(
+            {key: values.require(key, str) for key in values.keys()}
+        )
+    return MappingProxyType(parsed)

@@ -1,0 +1,240 @@
+"""One resource's life on a socket: serve, then register, and start over when the kubelet says so.
+
+The cycle, per resource, as one trio task:
+
+1. start a gRPC server on a fresh socket (kubelet mode: a new name per start, in the
+   device-plugin directory; watcher mode: a fixed name under plugins_registry);
+2. kubelet mode: when ``kubelet.sock`` exists, call Register (the kubelet dials back inside it),
+   retrying with backoff; watcher mode: the kubelet finds the socket and calls GetInfo;
+3. wait until the kubelet restarts (``kubelet.sock`` created again) or our socket is removed;
+4. end our ListAndWatch streams, stop the server, remove the socket, and go back to 1.
+
+Old streams always end before the next Register, which avoids the kubelet's re-registration race.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import trio
+from trio_asyncio import aio_as_trio
+
+from ._handler import Handler
+from ._notifier import Notifier
+from ._servicer import (
+    DevicePluginServicer,
+    WatcherRegistrationServicer,
+    register_with_kubelet,
+    start_grpc_server,
+)
+from ._settings import Settings
+
+log = logging.getLogger("devplugd.endpoint")
+
+SOCKET_PREFIX = "devplugd-"
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 5.0
+STOP_GRACE = 0.2
+
+
+@dataclass
+class Backoff:
+    first: float = BACKOFF_FIRST
+    maximum: float = BACKOFF_MAX
+    _next: float = field(default=BACKOFF_FIRST, init=False)
+
+    def reset(self) -> None:
+        self._next = self.first
+
+    def next_delay(self) -> float:
+        delay, self._next = self._next, min(self._next * 2, self.maximum)
+        return delay
+
+
+def socket_file_name(resource: str, suffix: str, directory: Path) -> str:
+    """``devplugd-<prefix>_<name>[-suffix].sock``, hashed when the path would not fit sun_path."""
+    readable = resource.replace("/", "_")
+    tail = f"-{suffix}.sock" if suffix else ".sock"
+    name = f"{SOCKET_PREFIX}{readable}{tail}"
+    if len(str(directory / name)) > MAX_SOCKET_PATH:
+        name = f"{SOCKET_PREFIX}{hashlib.sha256(resource.encode()).hexdigest()[:16]}{tail}"
+    return name
+
+
+def remove_stale_sockets(directory: Path) -> list[str]:
+    """Remove sockets a previous devplugd left in ``directory`` (only ``devplugd-*`` sockets)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        path = directory / name
+        try:
+            if name.startswith(SOCKET_PREFIX) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                path.unlink()
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+class Kick:
+    """Wakes an endpoint task with the reasons gathered since it last looked."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self.kubelet_started = False
+        self.removed_sockets: set[str] = set()
+        self.registration_failed = ""
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float = math.inf) -> None:
+        with trio.move_on_after(timeout):
+            await self._event.wait()
+
+    def clear(self) -> None:
+        self._event = trio.Event()
+        self.kubelet_started = False
+        self.removed_sockets = set()
+        self.registration_failed = ""
+
+
+class ResourceEndpoint:
+    """Serves one resource and keeps it registered. ``run`` is its whole life."""
+
+    def __init__(self, resource: str, handler: Handler, notifier: Notifier, settings: Settings, mode: str) -> None:
+        self.resource = resource
+        self._handler = handler
+        self._notifier = notifier
+        self._settings = settings
+        self._mode = mode
+        self.kick = Kick()
+        self.socket_path: Path | None = None
+        self.registered = False
+        self._generation = 0
+        self._start_token = f"{int(time.time() * 1000):x}"
+
+    def _next_socket_path(self) -> Path:
+        if self._mode == "watcher":
+            directory = self._settings.plugins_registry_dir
+            return directory / socket_file_name(self.resource, "", directory)
+        self._generation += 1
+        directory = self._settings.device_plugin_dir
+        return directory / socket_file_name(self.resource, f"{self._start_token}.{self._generation}", directory)
+
+    def kubelet_started(self) -> None:
+        self.kick.kubelet_started = True
+        self.kick.set()
+
+    def socket_removed(self, path: str) -> None:
+        self.kick.removed_sockets.add(path)
+        self.kick.set()
+
+    def _registration_status(self, registered: bool, error: str) -> None:
+        if registered:
+            log.info("kubelet registered %s through plugins_registry", self.resource, extra={"RESOURCE": self.resource})
+            self.registered = True
+        else:
+            self.kick.registration_failed = error or "no reason given"
+            self.kick.set()
+
+    async def run(self) -> None:
+        backoff = Backoff()
+        while True:
+            socket_path = self._next_socket_path()
+            self.kick.clear()
+            servicer = DevicePluginServicer(self.resource, self._handler, self._notifier)
+            registration = (
+                WatcherRegistrationServicer(self.resource, self._registration_status)
+                if self._mode == "watcher"
+                else None
+            )
+            socket_path.parent.mkdir(parents=True, exist_ok=True)
+            socket_path.unlink(missing_ok=True)
+            try:
+                server = await aio_as_trio(start_grpc_server)(str(socket_path), servicer, registration)
+            except Exception as error:  # listen failures are retried, never fatal
+                delay = backoff.next_delay()
+                log.error("cannot serve %s on %s: %s; retrying in %.1fs", self.resource, socket_path, error, delay,
+                          extra={"RESOURCE": self.resource})
+                await trio.sleep(delay)
+                continue
+            self.socket_path = socket_path
+            log.info("serving %s on %s", self.resource, socket_path, extra={"RESOURCE": self.resource})
+            try:
+                await self._hold(socket_path, servicer, backoff)
+            finally:
+                self.registered = False
+                servicer.close_streams()
+                with trio.CancelScope(shield=True):
+                    await aio_as_trio(server.stop)(STOP_GRACE)
+                    _unlink_if_socket(socket_path)
+                    self.socket_path = None
+
+    async def _hold(self, socket_path: Path, servicer: DevicePluginServicer, backoff: Backoff) -> None:
+        """Register as the mode says, then return when this socket has to be replaced."""
+        retry_at = 0.0 if self._mode == "kubelet" else math.inf
+        while True:
+            if retry_at <= trio.current_time():
+                # Without kubelet.sock there is nobody to call: wait for the kubelet to start.
+                retry_at = math.inf
+                if self._settings.kubelet_socket.exists():
+                    retry_at = await self._register(socket_path, servicer, backoff)
+            timeout = retry_at - trio.current_time() if math.isfinite(retry_at) else math.inf
+            await self.kick.wait(max(timeout, 0.0))
+            kick = self.kick
+            if kick.kubelet_started and self._mode == "kubelet":
+                log.info("kubelet (re)started: serving %s again", self.resource, extra={"RESOURCE": self.resource})
+                return
+            if str(socket_path) in kick.removed_sockets:
+                log.warning("socket %s was removed: serving %s again", socket_path, self.resource,
+                            extra={"RESOURCE": self.resource})
+                return
+            if kick.registration_failed:
+                delay = backoff.next_delay()
+                log.error("kubelet refused %s: %s; serving again in %.1fs", self.resource, kick.registration_failed,
+                          delay, extra={"RESOURCE": self.resource})
+                await trio.sleep(delay)
+                return
+            self.kick.clear()
+
+    async def _register(self, socket_path: Path, servicer: DevicePluginServicer, backoff: Backoff) -> float:
+        """Register once; return when to try again (``inf`` once registered)."""
+        try:
+            await aio_as_trio(register_with_kubelet)(
+                str(self._settings.kubelet_socket),
+                socket_path.name,
+                self.resource,
+                servicer.options(),
+                self._settings.register_timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            delay = backoff.next_delay()
+            log.warning("Register %s with the kubelet failed: %s: %s; retrying in %.1fs", self.resource,
+                        error.code().name, error.details(), delay, extra={"RESOURCE": self.resource})
+            return trio.current_time() + delay
+        backoff.reset()
+        self.registered = True
+        log.info("registered %s with the kubelet (endpoint %s)", self.resource, socket_path.name,
+                 extra={"RESOURCE": self.resource})
+        return math.inf
+
+
+def _unlink_if_socket(path: Path) -> None:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+    except OSError:
+        pass

@@ -1,0 +1,151 @@
+"""The handler contract: what a device family implements to plug into the daemon.
+
+It carries the contract of Intel's device plugin framework into an event-driven daemon:
+
+* every handler is a ``Handler``: it parses its pools' config, scans its devices into *facts*
+  (its own immutable record of the host) and builds, from facts and pools, the devices of each
+  resource as ``DeviceInfo`` (health, topology, device specs, mounts, envs, annotations);
+* the optional protocols below are opt-in by implementing them: ``Allocator`` (with
+  ``UseDefault`` to fall back to the core's default answer), ``PostAllocator``,
+  ``PreferredAllocator``, ``ContainerPreStarter``, and ``PoolLifecycle`` for work done when pools
+  start and stop serving.
+
+The core finds handlers through the ``devplugd.handlers`` entry-point group and never imports
+one by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from ._config import ConfiguredPool, PoolEntry
+from ._events import Event
+from ._tree import DeviceInfo, DeviceSpec, Mount, ResourcePool
+
+
+@dataclass(frozen=True)
+class HandlerContext:
+    """Where a handler reads the host from and writes its side files to."""
+
+    sysfs_root: Path
+    dev_root: Path
+    proc_root: Path
+    devinfo_dir: Path
+
+
+@dataclass
+class ContainerAllocation:
+    """The answer for one container request (becomes a ContainerAllocateResponse)."""
+
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: list[Mount] = field(default_factory=list)
+    specs: list[DeviceSpec] = field(default_factory=list)
+    annotations: dict[str, str] = field(default_factory=dict)
+    cdi_devices: list[str] = field(default_factory=list)
+
+
+class UseDefault(Exception):
+    """Raised by ``Allocator.allocate`` to ask for the core's default answer."""
+
+
+class AllocationError(Exception):
+    """The handler cannot answer this Allocate; the message names the device and the reason."""
+
+
+DeviceMap = Mapping[str, DeviceInfo]
+
+
+class Handler(Protocol):
+    """A device family. Implementations must not keep mutable state between calls that the
+    tree depends on: facts go in, facts and devices come out."""
+
+    name: ClassVar[str]
+    device_types: ClassVar[frozenset[str]]
+    subsystems: ClassVar[frozenset[str]]
+
+    def parse_pool(self, entry: PoolEntry) -> Any:
+        """Parse one ``resourceList`` entry of one of ``device_types``; raise ConfigError."""
+        ...
+
+    def scan(self) -> Any:
+        """Read the whole host and return facts. Runs in a worker thread."""
+        ...
+
+    def fold(self, facts: Any, event: Event) -> Any:
+        """Return facts updated by one event (facts unchanged when it does not concern us)."""
+        ...
+
+    def build(self, facts: Any, pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
+        """The devices of each of ``pools`` (keyed by resource name) from ``facts``."""
+        ...
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    def allocate(self, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
+        """Answer a container request, or raise UseDefault."""
+        ...
+
+
+@runtime_checkable
+class PostAllocator(Protocol):
+    def post_allocate(
+        self, pool: ResourcePool, device_ids: Sequence[str], allocation: ContainerAllocation
+    ) -> ContainerAllocation:
+        """Adjust the default (or Allocator's) answer: add envs, write side files."""
+        ...
+
+
+@runtime_checkable
+class PreferredAllocator(Protocol):
+    def offers_preferred_allocation(self, pool: ResourcePool) -> bool: ...
+
+    def preferred_allocation(
+        self,
+        pool: ResourcePool,
+        available: Sequence[str],
+        must_include: Sequence[str],
+        size: int,
+    ) -> list[str]: ...
+
+
+@runtime_checkable
+class ContainerPreStarter(Protocol):
+    def pre_start_container(self, pool: ResourcePool, device_ids: Sequence[str]) -> None: ...
+
+
+@runtime_checkable
+class PoolLifecycle(Protocol):
+    def pools_started(self, pools: Sequence[ConfiguredPool]) -> None:
+        """Called once before the first tree is served (e.g. clean stale side files)."""
+        ...
+
+    def pools_stopped(self, pools: Sequence[ConfiguredPool]) -> None:
+        """Called when these pools stop being served (shutdown, or removed by a reload)."""
+        ...
+
+
+def default_allocation(pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
+    """The union of the devices' specs (first per host path), mounts (first per container path),
+    envs and annotations, in request order."""
+    allocation = ContainerAllocation()
+    seen_hosts: set[str] = set()
+    seen_mounts: set[str] = set()
+    for device_id in device_ids:
+        info = pool.devices[device_id]
+        for spec in info.specs:
+            if spec.host_path not in seen_hosts:
+                seen_hosts.add(spec.host_path)
+                allocation.specs.append(spec)
+        for mount in info.mounts:
+            if mount.container_path not in seen_mounts:
+                seen_mounts.add(mount.container_path)
+                allocation.mounts.append(mount)
+        for key, value in info.envs.items():
+            allocation.envs.setdefault(key, value)
+        for key, value in info.annotations.items():
+            allocation.annotations.setdefault(key, value)
+    return allocation

@@ -1,0 +1,47 @@
+"""Resource-name rules: the kubelet's (IsExtendedResourceName) and the SR-IOV plugin's."""
+
+from __future__ import annotations
+
+import re
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_NAME_PART = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_SRIOV_RESOURCE_NAME = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def extended_resource_name_problem(name: str) -> str | None:
+    """Why the kubelet would refuse ``name`` as an extended resource name, or ``None`` if valid.
+
+    Mirrors the kubelet's IsExtendedResourceName: a ``domain/name`` with a lower-case DNS-1123
+    domain that (with ``requests.`` in front) is at most 253 characters, not under
+    ``kubernetes.io/``, and a 1-63 character name part.
+    """
+    if "/" not in name:
+        return "has no domain prefix (expected domain/name)"
+    if "kubernetes.io/" in name:
+        return "must not contain 'kubernetes.io/'"
+    if name.startswith("requests."):
+        return "must not start with 'requests.'"
+    if name.count("/") != 1:
+        return "must contain exactly one '/'"
+    domain, _, short = name.partition("/")
+    qualified_domain = "requests." + domain
+    if len(qualified_domain) > 253:
+        return "domain is longer than 244 characters"
+    if not all(_DNS_LABEL.fullmatch(label) for label in qualified_domain.split(".")):
+        return f"domain {domain!r} is not a lower-case DNS subdomain"
+    if not 1 <= len(short) <= 63:
+        return f"name part {short!r} must be 1-63 characters"
+    if not _NAME_PART.fullmatch(short):
+        return (
+            f"name part {short!r} must be letters, digits, '-', '_' or '.', "
+            "starting and ending with a letter or digit"
+        )
+    return None
+
+
+def resource_name_problem(resource_name: str) -> str | None:
+    """Why the SR-IOV plugin would refuse a pool's ``resourceName`` (``^[a-zA-Z0-9_-]+$``)."""
+    if not _SRIOV_RESOURCE_NAME.fullmatch(resource_name):
+        return f"{resource_name!r} may contain only letters, digits, '_' and '-'"
+    return None

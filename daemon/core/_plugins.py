@@ -1,0 +1,76 @@
+"""The set of served resources: one ResourceEndpoint task per resource that has devices.
+
+``sync(tree)`` is called after every new tree. A resource gets its server the first time its pool
+has a device (the kubelet never sees an empty first list from us) and keeps it until the pool
+leaves the config. Kubelet events are passed to every endpoint, which decides for itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import trio
+
+from ._endpoint import ResourceEndpoint, remove_stale_sockets
+from ._handler import Handler
+from ._notifier import Notifier
+from ._settings import Settings
+from ._tree import DeviceTree
+
+log = logging.getLogger("devplugd.plugins")
+
+
+class PluginManager:
+    def __init__(
+        self,
+        settings: Settings,
+        notifier: Notifier,
+        handlers: Mapping[str, Handler],
+        nursery: trio.Nursery,
+    ) -> None:
+        self._settings = settings
+        self._notifier = notifier
+        self._handlers = handlers
+        self._nursery = nursery
+        self.mode = settings.effective_registration()
+        self._endpoints: dict[str, tuple[ResourceEndpoint, trio.CancelScope]] = {}
+
+    def remove_stale_sockets(self) -> None:
+        directory = (
+            self._settings.plugins_registry_dir if self.mode == "watcher" else self._settings.device_plugin_dir
+        )
+        for name in remove_stale_sockets(directory):
+            log.info("removed stale socket %s", directory / name)
+
+    @property
+    def endpoints(self) -> dict[str, ResourceEndpoint]:
+        return {resource: endpoint for resource, (endpoint, _) in self._endpoints.items()}
+
+    def all_registered(self) -> bool:
+        return all(endpoint.registered for endpoint, _ in self._endpoints.values())
+
+    def sync(self, tree: DeviceTree) -> None:
+        for resource, pool in tree.pools.items():
+            if resource in self._endpoints or not pool.devices:
+                continue
+            endpoint = ResourceEndpoint(resource, self._handlers[pool.handler], self._notifier, self._settings, self.mode)
+            scope = trio.CancelScope()
+            self._endpoints[resource] = (endpoint, scope)
+            self._nursery.start_soon(self._run_endpoint, endpoint, scope, name=f"endpoint {resource}")
+        for resource in [r for r in self._endpoints if r not in tree.pools]:
+            endpoint, scope = self._endpoints.pop(resource)
+            log.info("withdrawing %s", resource, extra={"RESOURCE": resource})
+            scope.cancel()
+
+    async def _run_endpoint(self, endpoint: ResourceEndpoint, scope: trio.CancelScope) -> None:
+        with scope:
+            await endpoint.run()
+
+    def kubelet_started(self) -> None:
+        for endpoint, _ in self._endpoints.values():
+            endpoint.kubelet_started()
+
+    def socket_removed(self, path: str) -> None:
+        for endpoint, _ in self._endpoints.values():
+            endpoint.socket_removed(path)

@@ -1,0 +1,282 @@
+"""The gRPC face of one resource: DevicePlugin (and, in watcher mode, pluginregistration).
+
+These coroutines run on the asyncio loop that trio-asyncio hosts inside trio, on the one thread,
+so they read the current DeviceTree with plain attribute access. Allocate answers come from the
+tree that is current when the call arrives; ListAndWatch streams get their updates from the
+notifier through a one-slot mailbox (the newest list wins, never a backlog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import grpc
+
+from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
+from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from daemon._generated.pluginregistration.v1 import api_pb2 as reg
+from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+
+from ._handler import (
+    AllocationError,
+    Allocator,
+    ContainerAllocation,
+    ContainerPreStarter,
+    Handler,
+    PostAllocator,
+    PreferredAllocator,
+    UseDefault,
+    default_allocation,
+)
+from ._notifier import LatestValue, Notifier
+from ._tree import HEALTHY, ResourcePool
+
+log = logging.getLogger("devplugd.server")
+
+API_VERSION = "v1beta1"
+MAX_IDS_NAMED = 5
+
+
+class _StreamClosed(Exception):
+    pass
+
+
+class StreamMailbox:
+    """The notifier's subscriber for one ListAndWatch stream."""
+
+    def __init__(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._latest: LatestValue[ResourcePool | None] = LatestValue(self._wakeup.set)
+        self._closed = False
+
+    def offer(self, pool: ResourcePool | None) -> None:
+        self._latest.put(pool)
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    async def next_pool(self) -> ResourcePool | None:
+        while True:
+            if self._closed:
+                raise _StreamClosed
+            full, pool = self._latest.take()
+            if full:
+                return pool
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+
+def list_response(pool: ResourcePool | None) -> dp.ListAndWatchResponse:
+    devices = []
+    for device_id, health, numa_nodes in pool.listing if pool is not None else ():
+        device = dp.Device(ID=device_id, health=health)
+        if numa_nodes:
+            device.topology.nodes.extend(dp.NUMANode(ID=node) for node in numa_nodes)
+        devices.append(device)
+    return dp.ListAndWatchResponse(devices=devices)
+
+
+def _name_ids(ids: Sequence[str]) -> str:
+    shown = ", ".join(repr(i) for i in ids[:MAX_IDS_NAMED])
+    return shown + (f" and {len(ids) - MAX_IDS_NAMED} more" if len(ids) > MAX_IDS_NAMED else "")
+
+
+def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequence[str]) -> str | None:
+    """Why a container request cannot be allocated, naming the IDs; ``None`` if it can."""
+    if not device_ids:
+        return "container request has no devices_ids"
+    if pool is None:
+        return f"resource {resource} has no devices"
+    seen: set[str] = set()
+    duplicates = [i for i in device_ids if i in seen or seen.add(i)]  # type: ignore[func-returns-value]
+    if duplicates:
+        return f"device IDs requested more than once for {resource}: {_name_ids(duplicates)}"
+    unknown = [i for i in device_ids if i not in pool.devices]
+    if unknown:
+        return f"unknown device IDs for {resource}: {_name_ids(unknown)}"
+    unhealthy = [i for i in device_ids if pool.devices[i].health != HEALTHY]
+    if unhealthy:
+        return f"unhealthy device IDs for {resource}: {_name_ids(unhealthy)}"
+    return None
+
+
+def allocate_container(handler: Handler, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
+    """The handler's answer (Allocator, else the default), then its PostAllocator."""
+    allocation: ContainerAllocation | None = None
+    if isinstance(handler, Allocator):
+        try:
+            allocation = handler.allocate(pool, device_ids)
+        except UseDefault:
+            allocation = None
+    if allocation is None:
+        allocation = default_allocation(pool, device_ids)
+    if isinstance(handler, PostAllocator):
+        allocation = handler.post_allocate(pool, device_ids, allocation)
+    return allocation
+
+
+def container_response(allocation: ContainerAllocation) -> dp.ContainerAllocateResponse:
+    return dp.ContainerAllocateResponse(
+        envs=allocation.envs,
+        annotations=allocation.annotations,
+        mounts=[
+            dp.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+            for m in allocation.mounts
+        ],
+        devices=[
+            dp.DeviceSpec(container_path=s.container_path, host_path=s.host_path, permissions=s.permissions)
+            for s in allocation.specs
+        ],
+        cdi_devices=[dp.CDIDevice(name=name) for name in allocation.cdi_devices],
+    )
+
+
+class DevicePluginServicer(dp_grpc.DevicePluginServicer):
+    """DevicePlugin for one resource, reading the notifier's current tree."""
+
+    def __init__(self, resource: str, handler: Handler, notifier: Notifier) -> None:
+        self.resource = resource
+        self._handler = handler
+        self._notifier = notifier
+        self._streams: set[StreamMailbox] = set()
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
+
+    def close_streams(self) -> None:
+        """End every open ListAndWatch stream (before the server stops or we register again)."""
+        for mailbox in tuple(self._streams):
+            mailbox.close()
+
+    def options(self) -> dp.DevicePluginOptions:
+        pool = self._notifier.tree.pools.get(self.resource)
+        preferred = (
+            isinstance(self._handler, PreferredAllocator)
+            and pool is not None
+            and self._handler.offers_preferred_allocation(pool)
+        )
+        return dp.DevicePluginOptions(
+            pre_start_required=isinstance(self._handler, ContainerPreStarter),
+            get_preferred_allocation_available=preferred,
+        )
+
+    async def GetDevicePluginOptions(self, request: dp.Empty, context: grpc.aio.ServicerContext) -> dp.DevicePluginOptions:
+        return self.options()
+
+    async def ListAndWatch(self, request: dp.Empty, context: grpc.aio.ServicerContext) -> AsyncIterator[dp.ListAndWatchResponse]:
+        mailbox = StreamMailbox()
+        self._streams.add(mailbox)
+        pool = self._notifier.subscribe(self.resource, mailbox)
+        try:
+            last_listing = pool.listing if pool is not None else ()
+            yield list_response(pool)
+            while True:
+                pool = await mailbox.next_pool()
+                listing = pool.listing if pool is not None else ()
+                if listing != last_listing:
+                    last_listing = listing
+                    yield list_response(pool)
+        except _StreamClosed:
+            return
+        finally:
+            self._notifier.unsubscribe(self.resource, mailbox)
+            self._streams.discard(mailbox)
+
+    async def Allocate(self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext) -> dp.AllocateResponse:
+        if not request.container_requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {self.resource}: no container_requests")
+        pool = self._notifier.tree.pools.get(self.resource)
+        responses = []
+        for index, container_request in enumerate(request.container_requests):
+            device_ids = list(container_request.devices_ids)
+            problem = request_problem(pool, self.resource, device_ids)
+            if problem is not None or pool is None:
+                log.warning("refused Allocate: container request %d: %s", index, problem, extra={"RESOURCE": self.resource})
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
+                raise AssertionError  # abort raises; this keeps type checkers honest
+            try:
+                allocation = allocate_container(self._handler, pool, device_ids)
+            except (AllocationError, OSError) as error:
+                log.error("Allocate failed for %s: %s", self.resource, error, extra={"RESOURCE": self.resource})
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")
+            responses.append(container_response(allocation))
+        return dp.AllocateResponse(container_responses=responses)
+
+    async def GetPreferredAllocation(
+        self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> dp.PreferredAllocationResponse:
+        pool = self._notifier.tree.pools.get(self.resource)
+        handler = self._handler
+        if not isinstance(handler, PreferredAllocator) or pool is None or not handler.offers_preferred_allocation(pool):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.resource} does not offer GetPreferredAllocation")
+            raise AssertionError
+        responses = []
+        for container_request in request.container_requests:
+            chosen = handler.preferred_allocation(
+                pool,
+                list(container_request.available_deviceIDs),
+                list(container_request.must_include_deviceIDs),
+                container_request.allocation_size,
+            )
+            responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=chosen))
+        return dp.PreferredAllocationResponse(container_responses=responses)
+
+    async def PreStartContainer(
+        self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> dp.PreStartContainerResponse:
+        pool = self._notifier.tree.pools.get(self.resource)
+        if isinstance(self._handler, ContainerPreStarter) and pool is not None:
+            try:
+                self._handler.pre_start_container(pool, list(request.devices_ids))
+            except AllocationError as error:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        return dp.PreStartContainerResponse()
+
+
+class WatcherRegistrationServicer(reg_grpc.RegistrationServicer):
+    """pluginregistration.Registration, served beside DevicePlugin on a plugins_registry socket."""
+
+    def __init__(self, resource: str, on_status: Callable[[bool, str], None]) -> None:
+        self._resource = resource
+        self._on_status = on_status
+
+    async def GetInfo(self, request: reg.InfoRequest, context: grpc.aio.ServicerContext) -> reg.PluginInfo:
+        return reg.PluginInfo(type="DevicePlugin", name=self._resource, endpoint="", supported_versions=[API_VERSION])
+
+    async def NotifyRegistrationStatus(
+        self, request: reg.RegistrationStatus, context: grpc.aio.ServicerContext
+    ) -> reg.RegistrationStatusResponse:
+        self._on_status(request.plugin_registered, request.error)
+        return reg.RegistrationStatusResponse()
+
+
+async def start_grpc_server(
+    socket_path: str,
+    servicer: DevicePluginServicer,
+    registration: WatcherRegistrationServicer | None,
+) -> grpc.aio.Server:
+    """Listen on ``socket_path`` (an asyncio coroutine: call it through aio_as_trio)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    dp_grpc.add_DevicePluginServicer_to_server(servicer, server)
+    if registration is not None:
+        reg_grpc.add_RegistrationServicer_to_server(registration, server)
+    if server.add_insecure_port(f"unix://{socket_path}") == 0:
+        raise OSError(f"cannot listen on {socket_path}")
+    await server.start()
+    return server
+
+
+async def register_with_kubelet(
+    kubelet_socket: str, endpoint: str, resource: str, options: dp.DevicePluginOptions, timeout: float
+) -> None:
+    """Call Register on kubelet.sock (asyncio coroutine). Raises grpc.aio.AioRpcError."""
+    async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
+        stub = dp_grpc.RegistrationStub(channel)
+        await stub.Register(
+            dp.RegisterRequest(version=API_VERSION, endpoint=endpoint, resource_name=resource, options=options),
+            timeout=timeout,
+        )

@@ -1,0 +1,36 @@
+"""Every setting of one daemon, built once by the CLI and passed down (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+KUBELET_SOCKET_NAME = "kubelet.sock"
+REGISTRATION_MODES = ("auto", "kubelet", "watcher", "none")
+
+
+@dataclass(frozen=True)
+class Settings:
+    config_path: Path = Path("/etc/devplugd/config.json")
+    resource_prefix: str = "intel.com"
+    sysfs_root: Path = Path("/sys")
+    dev_root: Path = Path("/dev")
+    proc_root: Path = Path("/proc")
+    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
+    plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    registration: str = "auto"
+    devinfo_dir: Path = Path("/var/run/k8s.cni.cncf.io/devinfo/dp")
+    cdi_dir: Path = Path("/var/run/cdi")
+    state_dir: Path = Path("/var/lib/devplugd")
+    register_timeout: float = 20.0
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.device_plugin_dir / KUBELET_SOCKET_NAME
+
+    def effective_registration(self) -> str:
+        """``auto`` becomes ``watcher`` when the plugins_registry directory exists (as the SR-IOV
+        plugin decides), else ``kubelet``."""
+        if self.registration != "auto":
+            return self.registration
+        return "watcher" if self.plugins_registry_dir.is_dir() else "kubelet"

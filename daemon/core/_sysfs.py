@@ -1,0 +1,71 @@
+"""Small, total readers for sysfs-shaped trees.
+
+Each returns ``None`` (or an empty result) when the entry is missing, so a handler decides what a
+missing file means. ``SysfsError`` is raised only for content that is there but unusable, with the
+path in the message, so the caller can skip that one device and say why.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class SysfsError(Exception):
+    """A sysfs entry exists but its content cannot be used. The message names the path."""
+
+
+def read_text(path: Path) -> str | None:
+    """The stripped content of ``path``, or ``None`` if it does not exist."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(65536)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise SysfsError(f"{path}: cannot read: {error.strerror or error}") from error
+    try:
+        return data.decode("ascii").strip()
+    except UnicodeDecodeError as error:
+        raise SysfsError(f"{path}: content is not text") from error
+
+
+def read_int(path: Path, base: int = 10) -> int | None:
+    """An integer file (``base`` 16 accepts a ``0x`` prefix); ``None`` when missing."""
+    text = read_text(path)
+    if text is None:
+        return None
+    try:
+        return int(text, base)
+    except ValueError as error:
+        raise SysfsError(f"{path}: expected an integer, found {text[:40]!r}") from error
+
+
+def read_hex_id(path: Path, digits: int) -> str | None:
+    """A ``0x``-prefixed hex ID (vendor, device, class) as ``digits`` lower-case hex digits."""
+    text = read_text(path)
+    if text is None:
+        return None
+    body = text[2:] if text[:2].lower() == "0x" else text
+    if not body or len(body) > digits or any(c not in "0123456789abcdefABCDEF" for c in body):
+        raise SysfsError(f"{path}: expected a hex ID, found {text[:40]!r}")
+    return body.lower().rjust(digits, "0")
+
+
+def link_name(path: Path) -> str | None:
+    """The last component of the symlink target at ``path`` (``None`` if it is not a symlink)."""
+    try:
+        target = os.readlink(path)
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        return None
+    return os.path.basename(target.rstrip("/")) or None
+
+
+def list_dir(path: Path) -> list[str]:
+    """Sorted entry names of directory ``path`` (empty when missing or not a directory)."""
+    try:
+        return sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as error:
+        raise SysfsError(f"{path}: cannot list: {error.strerror or error}") from error

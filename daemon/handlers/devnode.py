@@ -1,0 +1,163 @@
+"""Pools of device nodes (``deviceType: devNode``), e.g. KubeVirt-style shared ``/dev/kvm``.
+
+``{"resourceName": "kvm", "deviceType": "devNode", "selectors": {"paths": ["/dev/kvm"]},
+"count": 110, "permissions": "rw"}``: ``paths`` are globs of absolute ``/dev`` paths (``*``, ``?``
+and ``[...]`` within one path component) looked up under ``--dev-root``; each matching character
+or block device node is offered ``count`` times. Device IDs come from the node's path
+(``net/tun`` -> ``net_tun``, with ``-0`` ... ``-<count-1>`` when ``count`` > 1), so they are the
+same across restarts. A node claimed by an earlier pool is not offered by a later one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from types import MappingProxyType
+from typing import ClassVar
+
+from daemon.core import (
+    HEALTHY,
+    ConfigError,
+    ConfiguredPool,
+    DeviceInfo,
+    DeviceMap,
+    DeviceSpec,
+    Event,
+    HandlerContext,
+    PoolEntry,
+    Resync,
+    SysfsError,
+    read_int,
+)
+
+log = logging.getLogger("devplugd.devnode")
+
+DEV_PREFIX = "/dev/"
+MAX_COUNT = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceNode:
+    relative_path: str
+    kind: str  # "char" or "block"
+    major: int
+    minor: int
+    numa_node: int | None
+
+    @property
+    def host_path(self) -> str:
+        return DEV_PREFIX + self.relative_path
+
+
+@dataclass(frozen=True)
+class DevNodePoolSpec:
+    patterns: tuple[tuple[str, ...], ...]  # each glob split into path components
+    count: int
+    permissions: str
+
+
+def _parse_glob(pattern: str, json_path: str) -> tuple[str, ...]:
+    if not pattern.startswith(DEV_PREFIX) or pattern.rstrip("/") == "/dev":
+        raise ConfigError(json_path, f"{pattern!r} must be an absolute path under /dev/")
+    parts = tuple(part for part in pattern[len(DEV_PREFIX):].split("/") if part)
+    if any(part in (".", "..") for part in parts):
+        raise ConfigError(json_path, f"{pattern!r} must not contain '.' or '..'")
+    return parts
+
+
+def _matches(parts: tuple[str, ...], relative_path: str) -> bool:
+    path_parts = relative_path.split("/")
+    return len(path_parts) == len(parts) and all(map(fnmatchcase, path_parts, parts))
+
+
+def device_ids(node: DeviceNode, count: int) -> list[str]:
+    base = node.relative_path.replace("/", "_")
+    return [base] if count == 1 else [f"{base}-{index}" for index in range(count)]
+
+
+class DevNodeHandler:
+    name: ClassVar[str] = "devnode"
+    device_types: ClassVar[frozenset[str]] = frozenset({"devNode"})
+    subsystems: ClassVar[frozenset[str]] = frozenset({"misc", "block", "net", "tty", "mem"})
+
+    def __init__(self, context: HandlerContext) -> None:
+        self._context = context
+
+    def parse_pool(self, entry: PoolEntry) -> DevNodePoolSpec:
+        patterns: list[tuple[str, ...]] = []
+        for selector in entry.selectors:
+            paths = selector.string_list("paths")
+            if not paths:
+                raise ConfigError(selector.path_of("paths"), "is required: a list of /dev globs")
+            patterns.extend(
+                _parse_glob(path, f"{selector.path_of('paths')}[{index}]") for index, path in enumerate(paths)
+            )
+        count = entry.raw.get("count", int, 1)
+        if not 1 <= count <= MAX_COUNT:
+            raise ConfigError(entry.raw.path_of("count"), f"must be between 1 and {MAX_COUNT}, not {count}")
+        permissions = entry.raw.get("permissions", str, "rw")
+        if not permissions or set(permissions) - set("rwm"):
+            raise ConfigError(entry.raw.path_of("permissions"), f"{permissions!r} must be letters from 'rwm'")
+        return DevNodePoolSpec(patterns=tuple(patterns), count=count, permissions=permissions)
+
+    def scan(self) -> Mapping[str, DeviceNode]:
+        """Every character and block device node under the dev root, by relative path."""
+        nodes: dict[str, DeviceNode] = {}
+        root = self._context.dev_root
+        for directory, subdirectories, files in os.walk(root):
+            subdirectories.sort()
+            for file_name in sorted(files):
+                full_path = os.path.join(directory, file_name)
+                try:
+                    status = os.stat(full_path, follow_symlinks=False)
+                except OSError:
+                    continue  # vanished while we walked
+                if stat.S_ISCHR(status.st_mode):
+                    kind = "char"
+                elif stat.S_ISBLK(status.st_mode):
+                    kind = "block"
+                else:
+                    continue
+                relative = os.path.relpath(full_path, root)
+                major, minor = os.major(status.st_rdev), os.minor(status.st_rdev)
+                nodes[relative] = DeviceNode(relative, kind, major, minor, self._numa_node(kind, major, minor))
+        return MappingProxyType(nodes)
+
+    def _numa_node(self, kind: str, major: int, minor: int) -> int | None:
+        path = self._context.sysfs_root / "dev" / kind / f"{major}:{minor}" / "device" / "numa_node"
+        try:
+            numa = read_int(path)
+        except SysfsError as error:
+            log.warning("ignoring NUMA node of %d:%d: %s", major, minor, error)
+            return None
+        return numa if numa is not None and numa >= 0 else None
+
+    def fold(self, facts: Mapping[str, DeviceNode], event: Event) -> Mapping[str, DeviceNode]:
+        return self.scan() if isinstance(event, Resync) else facts
+
+    def build(self, facts: Mapping[str, DeviceNode], pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
+        taken: set[str] = set()
+        result: dict[str, DeviceMap] = {}
+        for pool in pools:
+            spec: DevNodePoolSpec = pool.spec
+            devices: dict[str, DeviceInfo] = {}
+            for parts in spec.patterns:
+                for relative, node in facts.items():
+                    if relative in taken or not _matches(parts, relative):
+                        continue
+                    taken.add(relative)
+                    info = DeviceInfo(
+                        health=HEALTHY,
+                        numa_nodes=(node.numa_node,)
+                        if node.numa_node is not None and not pool.entry.exclude_topology
+                        else (),
+                        specs=(DeviceSpec(node.host_path, node.host_path, spec.permissions),),
+                        details=node,
+                    )
+                    devices.update(dict.fromkeys(device_ids(node, spec.count), info))
+            result[pool.resource] = devices
+        return result

@@ -1,0 +1,163 @@
+"""What a PCI device contributes to an Allocate answer, byte-compatible with the SR-IOV plugin.
+
+* device specs: vfio (``/dev/vfio/vfio`` and the IOMMU group; ``noiommu-N`` on the host side in
+  no-IOMMU mode), uio, RDMA character devices, vhost-net/tun;
+* ``PCIDEVICE_<PREFIX>_<NAME>`` (only ``.`` replaced by ``_``, then upper-cased) = the IDs in
+  request order, and ``..._INFO`` = ``{id: {provider: {key: value}}}`` as Go's json.Marshal
+  writes it;
+* the Multus device-info file (``<prefix>-<name>-<id>-device.json``, spec 1.1.0) for netDevice
+  pools, written at Allocate and removed when the pool stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from daemon.core import DeviceSpec
+
+from ._discovery import PciDevice
+
+DEVINFO_VERSION = "1.1.0"
+VFIO_DRIVER = "vfio-pci"
+UIO_DRIVERS = frozenset({"uio", "igb_uio"})
+VFIO_CONTAINER = "/dev/vfio/vfio"
+VHOST_NET = "/dev/vhost-net"
+NET_TUN = "/dev/net/tun"
+
+_PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
+
+
+@dataclass(frozen=True)
+class PciDetails:
+    """A pool device's allocation record: the facts plus its ``_INFO`` entry and devinfo extras."""
+
+    device: PciDevice
+    info: Mapping[str, Mapping[str, str]]
+    rdma_device: str | None
+
+
+def vfio_specs(device: PciDevice) -> tuple[DeviceSpec, ...]:
+    if device.iommu_group is None:
+        return ()
+    container = f"/dev/vfio/{device.iommu_group}"
+    host = f"/dev/vfio/noiommu-{device.iommu_group}" if device.noiommu else container
+    return (DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER), DeviceSpec(container, host))
+
+
+def device_specs_and_info(
+    device: PciDevice,
+    *,
+    is_rdma: bool,
+    need_vhost_net: bool,
+    vhost_available: bool,
+    rdma_char_devices: Mapping[str, tuple[str, ...]],
+    additional_info: Mapping[str, Mapping[str, str]] | None,
+) -> tuple[tuple[DeviceSpec, ...], dict[str, dict[str, str]], str | None]:
+    """The device specs, the ``_INFO`` providers and the devinfo ``rdma-device`` of one device."""
+    specs: list[DeviceSpec] = []
+    info: dict[str, dict[str, str]] = {"generic": {"deviceID": device.address}}
+    if device.driver == VFIO_DRIVER:
+        vfio = vfio_specs(device)
+        specs.extend(vfio)
+        info["vfio"] = {"mount": VFIO_CONTAINER}
+        if vfio:
+            info["vfio"]["dev-mount"] = vfio[1].container_path
+    elif device.driver in UIO_DRIVERS:
+        info["uio"] = {}
+        if device.uio_devices:
+            uio_path = f"/dev/{device.uio_devices[0]}"
+            specs.append(DeviceSpec(uio_path, uio_path))
+            info["uio"]["mount"] = uio_path
+    if additional_info is not None:
+        extra: dict[str, str] = {}
+        for key in ("*", device.address):
+            extra.update(additional_info.get(key, {}))
+        info["extra"] = extra
+    rdma_device = None
+    if is_rdma and device.rdma_devices:
+        rdma: dict[str, str] = {}
+        for rdma_name in device.rdma_devices:
+            for path in rdma_char_devices.get(rdma_name, ()):
+                specs.append(DeviceSpec(path, path))
+                for key in ("uverbs", "umad", "issm", "rdma_cm"):
+                    if key in path:
+                        rdma[key] = path
+                        break
+        rdma["rdma_dev"] = device.rdma_devices[0]
+        info["rdma"] = rdma
+        rdma_device = ",".join(device.rdma_devices)
+    if need_vhost_net and vhost_available:
+        specs.extend((DeviceSpec(VHOST_NET, VHOST_NET), DeviceSpec(NET_TUN, NET_TUN)))
+        info["vhost"] = {"net-mount": VHOST_NET, "tun-mount": NET_TUN}
+    return tuple(specs), info, rdma_device
+
+
+def go_json(value: Any) -> str:
+    """JSON as Go's encoding/json.Marshal writes a map: sorted keys, compact, HTML-escaped."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                         ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(raw, escaped)
+    return text
+
+
+def env_name(prefix: str, resource_name: str) -> str:
+    """``PCIDEVICE_<prefix>_<name>`` with only ``.`` replaced by ``_``, upper-cased (dashes kept)."""
+    return f"PCIDEVICE_{prefix}_{resource_name}".replace(".", "_").upper()
+
+
+def allocation_envs(
+    prefix: str, resource_name: str, device_ids: Sequence[str], details: Mapping[str, PciDetails]
+) -> dict[str, str]:
+    key = env_name(prefix, resource_name)
+    return {
+        key: ",".join(device_ids),
+        f"{key}_INFO": go_json({device_id: details[device_id].info for device_id in device_ids}),
+    }
+
+
+def devinfo_file_name(resource: str, device_id: str) -> str:
+    return f"{resource.replace('/', '-')}-{device_id.replace('/', '-')}-device.json"
+
+
+def devinfo_document(details: PciDetails) -> bytes:
+    pci: dict[str, str] = {"pci-address": details.device.address}
+    if details.rdma_device:
+        pci["rdma-device"] = details.rdma_device
+    document = {"type": "pci", "version": DEVINFO_VERSION, "pci": pci}
+    return json.dumps(document, separators=(",", ":")).encode()
+
+
+def write_devinfo_file(directory: Path, resource: str, details: PciDetails) -> None:
+    """Replace the device-info file of one device (mode 0444, as the NAD client writes it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / devinfo_file_name(resource, details.device.address)
+    path.unlink(missing_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+    try:
+        os.write(descriptor, devinfo_document(details))
+    finally:
+        os.close(descriptor)
+
+
+def remove_devinfo_files(directory: Path, resource: str) -> int:
+    """Remove every device-info file of ``resource`` (and no other pool's); return how many."""
+    prefix = resource.replace("/", "-") + "-"
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith("-device.json")):
+            continue
+        if _PCI_ADDRESS.fullmatch(name[len(prefix):-len("-device.json")]):
+            (directory / name).unlink(missing_ok=True)
+            removed += 1
+    return removed

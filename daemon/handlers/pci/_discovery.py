@@ -1,0 +1,206 @@
+"""Reading PCI functions from a sysfs root, the way the kernel lays them out.
+
+Everything comes from ``<sysfs>/bus/pci/devices/<address>`` (a symlink into ``devices/pci…``):
+``vendor``, ``device``, ``class``, ``numa_node``, ``acpi_index``, the ``driver`` and
+``iommu_group`` links, SR-IOV (``sriov_totalvfs``, ``sriov_numvfs``, ``physfn``, ``virtfnN``),
+``net/<ifname>/type``, ``uio/uioN`` and ``infiniband/<rdma dev>``; RDMA character devices from
+``<sysfs>/class/infiniband_{verbs,mad,cm}``; IPv4 default routes from ``<proc>/net/route``.
+A device whose entries cannot be read is skipped with a log line naming the path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from daemon.core import SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
+
+from ._linktypes import link_type_name
+
+log = logging.getLogger("devplugd.pci")
+
+NOIOMMU_GROUP_NAME = "vfio-noiommu"
+
+
+@dataclass(frozen=True, slots=True)
+class PciDevice:
+    """What the daemon knows about one PCI function."""
+
+    address: str
+    vendor: str
+    device: str
+    class_code: str
+    driver: str | None
+    numa_node: int | None
+    acpi_index: str | None
+    is_pf: bool
+    num_vfs: int
+    pf_address: str | None
+    vf_index: int
+    pf_netdev: str | None
+    netdevs: tuple[str, ...]
+    link_type: str
+    iommu_group: str | None
+    noiommu: bool
+    uio_devices: tuple[str, ...]
+    rdma_devices: tuple[str, ...]
+    has_default_route: bool
+
+    @property
+    def netdev(self) -> str | None:
+        return self.netdevs[0] if self.netdevs else None
+
+    @property
+    def base_class(self) -> str:
+        return self.class_code[:2]
+
+
+@dataclass(frozen=True)
+class PciFacts:
+    """The PCI part of the host: devices by address (in address order) and RDMA char devices."""
+
+    devices: Mapping[str, PciDevice]
+    rdma_char_devices: Mapping[str, tuple[str, ...]]
+
+
+def _default_route_interfaces(proc_root: Path) -> frozenset[str]:
+    """Interfaces with an IPv4 default route in the main table (``/proc/net/route``)."""
+    text = read_text(proc_root / "net" / "route")
+    interfaces = set()
+    for line in (text or "").splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[1] == "00000000" and fields[7] == "00000000":
+            interfaces.add(fields[0])
+    return frozenset(interfaces)
+
+
+def _rdma_char_devices(sysfs_root: Path) -> dict[str, tuple[str, ...]]:
+    """RDMA device name -> its character devices under /dev/infiniband (as rdmamap lists them)."""
+    by_rdma_device: dict[str, list[str]] = {}
+    for class_name in ("infiniband_verbs", "infiniband_mad", "infiniband_cm"):
+        class_dir = sysfs_root / "class" / class_name
+        for entry in list_dir(class_dir):
+            if entry == "abi_version":
+                continue
+            owner = read_text(class_dir / entry / "ibdev")
+            if owner:
+                by_rdma_device.setdefault(owner, []).append(f"/dev/infiniband/{entry}")
+    return {name: tuple(paths) for name, paths in by_rdma_device.items()}
+
+
+def _first_netdev(directory: Path) -> str | None:
+    names = list_dir(directory / "net")
+    return names[0] if names else None
+
+
+def _read_link_type(device_dir: Path, netdev: str | None, pf_dir: Path, pf_netdev: str | None) -> str:
+    """The netlink encapsulation name of the device's own netdev, else of its PF's netdev."""
+    if netdev is not None:
+        arphrd = read_int(device_dir / "net" / netdev / "type")
+    elif pf_netdev is not None:
+        arphrd = read_int(pf_dir / "net" / pf_netdev / "type")
+    else:
+        return ""
+    return "" if arphrd is None else link_type_name(arphrd)
+
+
+def _read_device(
+    address: str,
+    device_dir: Path,
+    entries: frozenset[str],
+    vf_positions: Mapping[str, tuple[str, int]],
+    default_route_ifaces: frozenset[str],
+) -> PciDevice:
+    if not entries:
+        raise SysfsError(f"{device_dir}: device directory is missing or empty")
+    vendor = read_hex_id(device_dir / "vendor", 4)
+    device = read_hex_id(device_dir / "device", 4)
+    class_code = read_hex_id(device_dir / "class", 6)
+    if vendor is None or device is None or class_code is None:
+        missing = [n for n, v in (("vendor", vendor), ("device", device), ("class", class_code)) if v is None]
+        raise SysfsError(f"{device_dir}: missing {', '.join(missing)}")
+    numa = read_int(device_dir / "numa_node") if "numa_node" in entries else None
+    is_pf = "sriov_totalvfs" in entries
+    num_vfs = (read_int(device_dir / "sriov_numvfs") or 0) if is_pf else 0
+
+    pf_address: str | None = None
+    vf_index = -1
+    pf_dir = device_dir / "physfn"
+    if "physfn" in entries:
+        pf_address = link_name(pf_dir)
+        position = vf_positions.get(address)
+        if position is not None:
+            vf_index = position[1]
+        else:  # the PF is not listed under bus/pci/devices: ask it directly
+            for name in list_dir(pf_dir):
+                if name.startswith("virtfn") and link_name(pf_dir / name) == address:
+                    vf_index = int(name[len("virtfn"):])
+                    break
+    pf_netdev = _first_netdev(pf_dir) if pf_address is not None else None
+    netdevs = tuple(list_dir(device_dir / "net")) if "net" in entries else ()
+    netdev = netdevs[0] if netdevs else None
+
+    iommu_group: str | None = None
+    noiommu = False
+    if "iommu_group" in entries:
+        iommu_group = link_name(device_dir / "iommu_group")
+        noiommu = read_text(device_dir / "iommu_group" / "name") == NOIOMMU_GROUP_NAME
+
+    return PciDevice(
+        address=address,
+        vendor=vendor,
+        device=device,
+        class_code=class_code,
+        driver=link_name(device_dir / "driver") if "driver" in entries else None,
+        numa_node=numa if numa is not None and numa >= 0 else None,
+        acpi_index=read_text(device_dir / "acpi_index") if "acpi_index" in entries else None,
+        is_pf=is_pf,
+        num_vfs=num_vfs,
+        pf_address=pf_address,
+        vf_index=vf_index,
+        pf_netdev=pf_netdev,
+        netdevs=netdevs,
+        link_type=_read_link_type(device_dir, netdev, pf_dir, pf_netdev),
+        iommu_group=iommu_group,
+        noiommu=noiommu,
+        uio_devices=tuple(list_dir(device_dir / "uio")) if "uio" in entries else (),
+        rdma_devices=tuple(list_dir(device_dir / "infiniband")) if "infiniband" in entries else (),
+        has_default_route=any(name in default_route_ifaces for name in netdevs),
+    )
+
+
+def scan_pci(sysfs_root: Path, proc_root: Path) -> PciFacts:
+    """Read every PCI function under ``sysfs_root``; skip (and log) the unreadable ones."""
+    devices_dir = sysfs_root / "bus" / "pci" / "devices"
+    addresses = list_dir(devices_dir)
+    # VF index from the PF side: one readlink per virtfnN instead of a search per VF.
+    listings: dict[str, frozenset[str]] = {}
+    vf_positions: dict[str, tuple[str, int]] = {}
+    for address in addresses:
+        try:
+            names = listings[address] = frozenset(os.listdir(devices_dir / address))
+        except OSError:
+            listings[address] = frozenset()
+            continue
+        for name in names:
+            if name.startswith("virtfn") and name[6:].isdigit():
+                vf_address = link_name(devices_dir / address / name)
+                if vf_address:
+                    vf_positions[vf_address] = (address, int(name[6:]))
+    default_route_ifaces = _default_route_interfaces(proc_root)
+    devices: dict[str, PciDevice] = {}
+    for address in addresses:
+        try:
+            devices[address] = _read_device(
+                address, devices_dir / address, listings[address], vf_positions, default_route_ifaces
+            )
+        except SysfsError as error:
+            log.warning("skipping PCI device %s: %s", address, error, extra={"PCI_ADDR": address})
+    return PciFacts(
+        devices=MappingProxyType(devices),
+        rdma_char_devices=MappingProxyType(_rdma_char_devices(sysfs_root)),
+    )

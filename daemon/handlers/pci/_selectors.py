@@ -1,0 +1,159 @@
+"""Selectors of the SR-IOV plugin's ``netDevice`` and ``accelerator`` pools, parsed and matched
+exactly as upstream does (``pkg/resources/deviceSelectors.go``).
+
+Fields combine with AND, values inside one list with OR; an empty list does not filter.
+``pfNames``/``rootDevices`` entries are ``<PF netdev|PF address>[#<indices>]`` where indices are
+``N`` or ``A-B`` separated by commas. As upstream: the *first* entry whose part before ``#``
+equals the PF (case-insensitively) decides; a malformed index list stops matching at the bad part.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from daemon.core import ConfigObject
+
+from ._discovery import PciDevice
+
+log = logging.getLogger("devplugd.pci")
+
+NET_DEVICE = "netDevice"
+ACCELERATOR = "accelerator"
+
+
+def pick_pf_entry(entries: tuple[str, ...], pf: str) -> str | None:
+    """The first entry whose name part (before ``#``) equals ``pf`` case-insensitively."""
+    wanted = pf.casefold()
+    for entry in entries:
+        if entry.split("#")[0].casefold() == wanted:
+            return entry
+    return None
+
+
+def _go_atoi(text: str) -> int | None:
+    """strconv.Atoi: optional sign, then decimal digits only."""
+    body = text[1:] if text[:1] in "+-" else text
+    if not body or not body.isascii() or not body.isdigit():
+        return None
+    return int(text)
+
+
+def index_selected(entry: str, index: int) -> bool:
+    """Whether VF ``index`` is selected by ``entry`` (``name``, or ``name#0,2-7``)."""
+    if "#" not in entry:
+        return True
+    fields = entry.split("#")
+    if len(fields) != 2:
+        return False
+    for part in fields[1].split(","):
+        if "-" in part:
+            bounds = part.split("-")
+            if len(bounds) != 2:
+                return False
+            start, end = _go_atoi(bounds[0]), _go_atoi(bounds[1])
+            if start is None or end is None:
+                return False
+            if start <= index <= end:
+                return True
+        else:
+            single = _go_atoi(part)
+            if single is None:
+                return False
+            if index == single:
+                return True
+    return False
+
+
+def entry_problem(entry: str) -> str | None:
+    """Why a ``pfNames``/``rootDevices`` entry can never fully work (for a config warning)."""
+    if "#" not in entry:
+        return None
+    fields = entry.split("#")
+    if len(fields) != 2:
+        return "more than one '#'"
+    for part in fields[1].split(","):
+        bounds = part.split("-") if "-" in part else [part]
+        if len(bounds) > 2 or any(_go_atoi(b) is None for b in bounds):
+            return f"{part!r} is not an index or an A-B range"
+    return None
+
+
+@dataclass(frozen=True)
+class PciSelector:
+    """One selector object of a pool. Flags (``is_rdma``, ``need_vhost_net``) apply to the devices
+    this object admitted."""
+
+    json_path: str
+    vendors: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    drivers: tuple[str, ...] = ()
+    pci_addresses: tuple[str, ...] = ()
+    acpi_indexes: tuple[str, ...] = ()
+    pf_names: tuple[str, ...] = ()
+    root_devices: tuple[str, ...] = ()
+    link_types: tuple[str, ...] = ()
+    ddp_profiles: tuple[str, ...] = ()
+    is_rdma: bool = False
+    need_vhost_net: bool = False
+
+    def matches(self, device: PciDevice, ddp_profile: Callable[[str], str | None]) -> bool:
+        if self.vendors and device.vendor not in self.vendors:
+            return False
+        if self.devices and device.device not in self.devices:
+            return False
+        if self.drivers and device.driver not in self.drivers:
+            return False
+        if self.pci_addresses and device.address not in self.pci_addresses:
+            return False
+        if self.acpi_indexes and device.acpi_index not in self.acpi_indexes:
+            return False
+        if self.pf_names:
+            entry = pick_pf_entry(self.pf_names, device.pf_netdev) if device.pf_netdev else None
+            if entry is None or not index_selected(entry, device.vf_index):
+                return False
+        if self.root_devices:
+            entry = pick_pf_entry(self.root_devices, device.pf_address) if device.pf_address else None
+            if entry is None or not index_selected(entry, device.vf_index):
+                return False
+        if self.link_types and device.link_type not in self.link_types:
+            return False
+        if self.ddp_profiles and ddp_profile(device.address) not in self.ddp_profiles:
+            return False
+        if self.is_rdma and not device.rdma_devices:
+            return False
+        return True
+
+
+def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
+    """Read one selector object; fields that ``device_type`` does not use are ignored, as upstream."""
+    common = {
+        "json_path": selector.json_path,
+        "vendors": selector.string_list("vendors"),
+        "devices": selector.string_list("devices"),
+        "drivers": selector.string_list("drivers"),
+        "pci_addresses": selector.string_list("pciAddresses"),
+    }
+    if device_type != NET_DEVICE:
+        return PciSelector(**common)
+    parsed = PciSelector(
+        **common,
+        acpi_indexes=selector.string_list("acpiIndexes"),
+        pf_names=selector.string_list("pfNames"),
+        root_devices=selector.string_list("rootDevices"),
+        link_types=selector.string_list("linkTypes"),
+        ddp_profiles=selector.string_list("ddpProfiles"),
+        is_rdma=selector.get("isRdma", bool, False),
+        need_vhost_net=selector.get("needVhostNet", bool, False),
+    )
+    for key, entries in (("pfNames", parsed.pf_names), ("rootDevices", parsed.root_devices)):
+        for position, entry in enumerate(entries):
+            if problem := entry_problem(entry):
+                log.warning(
+                    "%s[%d]: %r: %s; VF indices past that point never match",
+                    selector.path_of(key), position, entry, problem,
+                )
+    if len(parsed.link_types) > 1:
+        log.warning("%s: more than one link type given", selector.path_of("linkTypes"))
+    return parsed
