@@ -1,0 +1,109 @@
+"""Fixtures: a fake host in the kernel's layout, a kubelet stand-in, and the real daemon process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakesysfs import FakeHost
+from tests.kubelet import FakeKubelet
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temporary directory with a short path: unix socket paths must fit in 108 bytes."""
+    directory = Path(tempfile.mkdtemp(prefix="dp", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def host(short_tmp: Path) -> FakeHost:
+    return FakeHost(short_tmp / "host")
+
+
+@pytest.fixture
+def kubelet(short_tmp: Path) -> Iterator[FakeKubelet]:
+    stand_in = FakeKubelet(short_tmp / "device-plugins")
+    stand_in.start()
+    yield stand_in
+    stand_in.close()
+
+
+@dataclass
+class DaemonProcess:
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    workdir: Path
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log:
+            if self.process.poll() is not None:
+                raise AssertionError(f"daemon exited {self.process.returncode} before logging {text!r}:\n{self.log}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daemon did not log {text!r} in {timeout}s:\n{self.log}")
+            time.sleep(0.02)
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"daemon did not stop within {timeout}s:\n{self.log}") from None
+
+
+def daemon_command(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "daemon", *arguments]
+
+
+@pytest.fixture
+def run_daemon(short_tmp: Path, host: FakeHost) -> Iterator[Callable[..., DaemonProcess]]:
+    """Start ``devplugd run`` against the fake host with a config (dict or text)."""
+    started: list[DaemonProcess] = []
+
+    def start(config: dict[str, Any] | str, *extra: str, registration: str = "kubelet") -> DaemonProcess:
+        config_path = short_tmp / f"config-{len(started)}.json"
+        config_path.write_text(config if isinstance(config, str) else json.dumps(config))
+        log_path = short_tmp / f"daemon-{len(started)}.log"
+        arguments = [
+            "run", "--config", str(config_path),
+            "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
+            "--device-plugin-dir", str(short_tmp / "device-plugins"),
+            "--plugins-registry-dir", str(short_tmp / "plugins_registry"),
+            "--devinfo-dir", str(short_tmp / "devinfo"),
+            "--registration", registration, "--log-level", "debug", *extra,
+        ]
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(daemon_command(*arguments), stdout=log_file, stderr=subprocess.STDOUT,
+                                       cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        daemon = DaemonProcess(process, log_path, short_tmp)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        if daemon.process.poll() is None:
+            daemon.process.send_signal(signal.SIGKILL)
+            daemon.process.wait()

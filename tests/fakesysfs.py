@@ -1,0 +1,196 @@
+"""A fake host in the kernel's own layout, for what the kernel here cannot make (PCI, SR-IOV).
+
+Paths and symlinks are laid out as Linux lays them out, with relative links computed the way the
+kernel's sysfs shows them:
+
+* ``sys/devices/pci0000:00/<bridge>/<address>/`` holds ``vendor``, ``device``, ``class``
+  (``0x``-prefixed), ``numa_node``, ``modalias``, ``uevent``;
+* ``sys/bus/pci/devices/<address> -> ../../../devices/pci0000:00/<bridge>/<address>``;
+* ``<device>/driver -> ../../../../bus/pci/drivers/<driver>`` and the driver's link back;
+* ``<device>/iommu_group -> ../../../../kernel/iommu_groups/<n>`` (with ``name`` =
+  ``vfio-noiommu`` in no-IOMMU mode) and ``iommu_groups/<n>/devices/<address>``;
+* SR-IOV: PF ``sriov_totalvfs``/``sriov_numvfs``, ``virtfnN -> ../<vf>``, VF ``physfn -> ../<pf>``;
+* ``<device>/net/<ifname>/type`` (ARPHRD) and ``sys/class/net/<ifname> -> ../../devices/…/net/<ifname>``;
+* RDMA: ``<device>/infiniband/<rdma dev>`` and ``sys/class/infiniband_{verbs,mad}/…/ibdev``;
+* ``proc/net/route`` for IPv4 default routes; ``dev/`` for nodes the daemon checks exist.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+ETHER = 1
+INFINIBAND = 32
+
+
+def _link(link: Path, target: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(os.path.relpath(target, link.parent))
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+@dataclass
+class FakeHost:
+    """A fake ``/sys``, ``/dev`` and ``/proc`` under ``root``."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        for directory in (self.sys / "bus" / "pci" / "devices", self.sys / "bus" / "pci" / "drivers",
+                          self.sys / "kernel" / "iommu_groups", self.sys / "class" / "net", self.dev,
+                          self.proc / "net"):
+            directory.mkdir(parents=True, exist_ok=True)
+        route = self.proc / "net" / "route"
+        if not route.exists():
+            _write(route, "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n")
+
+    @property
+    def sys(self) -> Path:
+        return self.root / "sys"
+
+    @property
+    def dev(self) -> Path:
+        return self.root / "dev"
+
+    @property
+    def proc(self) -> Path:
+        return self.root / "proc"
+
+    def device_dir(self, address: str) -> Path:
+        return (self.sys / "bus" / "pci" / "devices" / address).resolve()
+
+    # -- PCI functions ------------------------------------------------------------------------
+    def add_pci(
+        self,
+        address: str,
+        *,
+        vendor: str = "8086",
+        device: str = "1572",
+        class_code: str = "020000",
+        driver: str | None = "i40e",
+        numa_node: int = 0,
+        bridge: str = "0000:00:02.0",
+    ) -> Path:
+        directory = self.sys / "devices" / "pci0000:00" / bridge / address
+        directory.mkdir(parents=True, exist_ok=True)
+        _write(directory / "vendor", f"0x{vendor}\n")
+        _write(directory / "device", f"0x{device}\n")
+        _write(directory / "class", f"0x{class_code}\n")
+        _write(directory / "numa_node", f"{numa_node}\n")
+        _write(directory / "modalias", f"pci:v0000{vendor.upper()}d0000{device.upper()}sv00008086sd00000000"
+                                       f"bc{class_code[:2].upper()}sc{class_code[2:4].upper()}i{class_code[4:].upper()}\n")
+        _write(directory / "uevent", f"PCI_CLASS={class_code.upper().lstrip('0') or '0'}\n"
+                                     f"PCI_ID={vendor.upper()}:{device.upper()}\nPCI_SLOT_NAME={address}\n")
+        _link(self.sys / "bus" / "pci" / "devices" / address, directory)
+        if driver is not None:
+            self.bind(address, driver)
+        return directory
+
+    def bind(self, address: str, driver: str) -> None:
+        directory = self.device_dir(address)
+        self.unbind(address)
+        driver_dir = self.sys / "bus" / "pci" / "drivers" / driver
+        driver_dir.mkdir(parents=True, exist_ok=True)
+        _link(directory / "driver", driver_dir)
+        _link(driver_dir / address, directory)
+
+    def unbind(self, address: str) -> None:
+        directory = self.device_dir(address)
+        driver_link = directory / "driver"
+        if driver_link.is_symlink():
+            driver_dir = driver_link.resolve()
+            (driver_dir / address).unlink(missing_ok=True)
+            driver_link.unlink()
+
+    def add_pf(self, address: str, *, netdev: str | None, total_vfs: int = 64, **kwargs: object) -> Path:
+        directory = self.add_pci(address, **kwargs)  # type: ignore[arg-type]
+        _write(directory / "sriov_totalvfs", f"{total_vfs}\n")
+        _write(directory / "sriov_numvfs", "0\n")
+        if netdev is not None:
+            self.add_netdev(address, netdev)
+        return directory
+
+    def add_vfs(
+        self,
+        pf_address: str,
+        vf_addresses: list[str],
+        *,
+        driver: str | None = "iavf",
+        device: str = "154c",
+        netdev_names: list[str] | None = None,
+        iommu_groups: list[int] | None = None,
+        numa_node: int = 0,
+        vendor: str = "8086",
+    ) -> None:
+        pf_dir = self.device_dir(pf_address)
+        bridge = pf_dir.parent.name
+        for index, vf_address in enumerate(vf_addresses):
+            vf_dir = self.add_pci(vf_address, vendor=vendor, device=device, driver=None, numa_node=numa_node,
+                                  bridge=bridge)
+            _link(vf_dir / "physfn", pf_dir)
+            _link(pf_dir / f"virtfn{index}", vf_dir)
+            if iommu_groups is not None:
+                self.set_iommu_group(vf_address, iommu_groups[index])
+            if driver is not None:
+                self.bind(vf_address, driver)
+            if netdev_names is not None and netdev_names[index]:
+                self.add_netdev(vf_address, netdev_names[index])
+        _write(pf_dir / "sriov_numvfs", f"{len(vf_addresses)}\n")
+
+    def remove_pci(self, address: str) -> None:
+        directory = self.device_dir(address)
+        self.unbind(address)
+        (self.sys / "bus" / "pci" / "devices" / address).unlink()
+        for name in os.listdir(directory / "net") if (directory / "net").is_dir() else []:
+            (self.sys / "class" / "net" / name).unlink(missing_ok=True)
+        shutil.rmtree(directory)
+
+    # -- attributes ----------------------------------------------------------------------------
+    def add_netdev(self, address: str, ifname: str, *, arphrd: int = ETHER) -> None:
+        net_dir = self.device_dir(address) / "net" / ifname
+        _write(net_dir / "type", f"{arphrd}\n")
+        _write(net_dir / "ifindex", "1\n")
+        _link(self.sys / "class" / "net" / ifname, net_dir)
+
+    def set_iommu_group(self, address: str, group: int, *, noiommu: bool = False) -> None:
+        group_dir = self.sys / "kernel" / "iommu_groups" / str(group)
+        (group_dir / "devices").mkdir(parents=True, exist_ok=True)
+        if noiommu:
+            _write(group_dir / "name", "vfio-noiommu\n")
+        directory = self.device_dir(address)
+        _link(directory / "iommu_group", group_dir)
+        _link(group_dir / "devices" / address, directory)
+
+    def add_uio(self, address: str, index: int) -> None:
+        (self.device_dir(address) / "uio" / f"uio{index}").mkdir(parents=True, exist_ok=True)
+
+    def add_rdma(self, address: str, rdma_device: str, index: int) -> None:
+        (self.device_dir(address) / "infiniband" / rdma_device).mkdir(parents=True, exist_ok=True)
+        for class_name, prefix in (("infiniband_verbs", "uverbs"), ("infiniband_mad", "umad"),
+                                   ("infiniband_mad", "issm"), ("infiniband_cm", "ucm")):
+            _write(self.sys / "class" / class_name / f"{prefix}{index}" / "ibdev", f"{rdma_device}\n")
+            self.add_dev_node(f"infiniband/{prefix}{index}")
+        self.add_dev_node("infiniband/rdma_cm")
+
+    def set_file(self, address: str, name: str, content: str) -> None:
+        _write(self.device_dir(address) / name, content)
+
+    def add_default_route(self, ifname: str) -> None:
+        with open(self.proc / "net" / "route", "a") as route:
+            route.write(f"{ifname}\t00000000\t0102A8C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n")
+
+    def add_dev_node(self, relative: str) -> Path:
+        """A placeholder for a node the daemon only checks for (the kernel here cannot make PCI
+        nodes). Tests of real nodes use the real /dev."""
+        path = self.dev / relative
+        _write(path, "")
+        return path
