@@ -1,0 +1,121 @@
+"""The kernel loop with real core parts: events over the bus, handlers, tree, notifier, servers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import trio
+import trio.testing
+import trio_asyncio
+
+from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
+from daemon.core._config import parse_config
+from daemon.core._notifier import Notifier
+from daemon.core._plugins import PluginManager
+from daemon.core._settings import Settings
+from daemon.kernel import Kernel
+
+
+class CountingHandler:
+    """A handler whose facts are a number of devices; it can be told to fail."""
+
+    name: ClassVar[str] = "counting"
+    device_types: ClassVar[frozenset[str]] = frozenset({"counted"})
+    subsystems: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self) -> None:
+        self.devices = 2
+        self.scans = 0
+        self.fail_build = False
+        self.fail_scan = False
+
+    def parse_pool(self, entry: PoolEntry) -> None:
+        return None
+
+    def scan(self) -> int:
+        self.scans += 1
+        if self.fail_scan:
+            raise OSError("sysfs went away")
+        return self.devices
+
+    def fold(self, facts: int, event: Event) -> int:
+        return facts
+
+    def build(self, facts: int, pools: Sequence[ConfiguredPool]) -> dict[str, Any]:
+        if self.fail_build:
+            raise ValueError("bad fact")
+        return {pool.resource: {f"d{n}": DeviceInfo() for n in range(facts)} for pool in pools}
+
+
+def make_kernel(tmp: Path, nursery: trio.Nursery) -> tuple[Kernel, Notifier, CountingHandler]:
+    handler = CountingHandler()
+    config = parse_config(
+        json.dumps({"resourceList": [{"resourceName": "things", "deviceType": "counted", "selectors": {}}]}),
+        "test", "example.com", {"counted": ("counting", handler.parse_pool)},
+    )
+    settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
+    notifier = Notifier()
+    plugins = PluginManager(settings, notifier, {"counting": handler}, nursery)
+    return Kernel({"counting": handler}, config, notifier, plugins), notifier, handler
+
+
+async def test_initial_scan_arrives_as_an_event_and_is_served(short_tmp):
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        kernel, notifier, _ = make_kernel(short_tmp, nursery)
+        send, receive = trio.open_memory_channel[Event](16)
+        nursery.start_soon(kernel.run, receive)
+        assert notifier.tree.version == 0
+        await send.send(Resync(None, "start"))
+        await kernel.first_tree_published.wait()
+        assert set(notifier.tree.pools["example.com/things"].devices) == {"d0", "d1"}
+        with trio.fail_after(5):
+            while not list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock")):
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_burst_of_events_becomes_one_new_tree(short_tmp):
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        kernel, notifier, handler = make_kernel(short_tmp, nursery)
+        send, receive = trio.open_memory_channel[Event](300)
+        for _ in range(256):
+            send.send_nowait(Resync("counting", "burst"))
+        nursery.start_soon(kernel.run, receive)
+        await kernel.first_tree_published.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert notifier.tree.version == 1
+        assert handler.scans == 256
+        nursery.cancel_scope.cancel()
+
+
+async def wait_for_scans(handler: CountingHandler, count: int) -> None:
+    """Until the handler was scanned ``count`` times and the kernel loop is idle again."""
+    with trio.fail_after(5):
+        while handler.scans < count:
+            await trio.sleep(0.005)
+        await trio.sleep(0.05)
+
+
+async def test_a_failing_handler_keeps_its_last_devices(short_tmp):
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        kernel, notifier, handler = make_kernel(short_tmp, nursery)
+        send, receive = trio.open_memory_channel[Event](16)
+        nursery.start_soon(kernel.run, receive)
+        await send.send(Resync(None, "start"))
+        await kernel.first_tree_published.wait()
+        handler.devices, handler.fail_build = 5, True
+        await send.send(Resync("counting", "again"))
+        await wait_for_scans(handler, 2)
+        assert len(notifier.tree.pools["example.com/things"].devices) == 2
+        handler.fail_build, handler.fail_scan = False, True
+        await send.send(Resync("counting", "again"))
+        await wait_for_scans(handler, 3)
+        assert len(notifier.tree.pools["example.com/things"].devices) == 2
+        handler.fail_scan = False
+        await send.send(Resync("counting", "recovered"))
+        await wait_for_scans(handler, 4)
+        assert len(notifier.tree.pools["example.com/things"].devices) == 5
+        nursery.cancel_scope.cancel()
