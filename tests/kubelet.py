@@ -78,7 +78,8 @@ class FakeKubelet:
         self.watcher_errors: list[str] = []
         self._clients: dict[str, PluginClient] = {}
         self._condition = threading.Condition()
-        self._loop = asyncio.new_event_loop()
+        # A plain asyncio loop: trio_asyncio replaces the default policy once imported.
+        self._loop = asyncio.SelectorEventLoop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-kubelet", daemon=True)
         self._thread.start()
         self._server: grpc.aio.Server | None = None

@@ -64,6 +64,24 @@ def test_operator_written_keys_in_any_case_are_understood() -> None:
     assert config.warnings == ()
 
 
+@pytest.mark.parametrize(
+    ("text", "resource", "is_rdma"),
+    [
+        ('{"resourceList": [{"resourceName": "a", "ResourceName": "b", "selectors": {}}]}', "intel.com/b", False),
+        ('{"resourceList": [{"resourceName": "a", "selectors": {"isRdma": true, "IsRdma": false}}]}',
+         "intel.com/a", False),
+    ],
+    ids=["resourceName", "isRdma"],
+)
+def test_key_repeated_in_another_case_takes_the_last_value_as_go_does(
+    text: str, resource: str, is_rdma: bool
+) -> None:
+    # encoding/json decodes every key in file order into the field it folds to: the last one wins.
+    (configured,) = parse(text).pools
+    assert configured.resource == resource
+    assert configured.spec.selectors[0].is_rdma is is_rdma
+
+
 def test_unknown_keys_are_ignored_at_every_level() -> None:
     config = parse({
         "resourceList": [pool("a", color="blue", selectors={"vendors": ["8086"], "futureField": [1, 2]})],

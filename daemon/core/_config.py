@@ -180,11 +180,11 @@ def _parse_additional_info(pool: ConfigObject) -> Mapping[str, Mapping[str, str]
     if info is None:
         return None
     parsed: dict[str, Mapping[str, str]] = {}
-    for device_key in info.keys():
-        values = info.object(device_key)
+    for device_key, values, values_path in info.map_items():  # a Go map: keys are case-sensitive
         if values is None:
             continue
+        values = expect_type(values, dict, values_path)
         parsed[device_key] = MappingProxyType(
-            {key: values.require(key, str) for key in values.keys()}
+            {key: expect_type(value, str, f"{values_path}.{key}") for key, value in values.items()}
         )
     return MappingProxyType(parsed)

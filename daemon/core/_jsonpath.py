@@ -63,12 +63,11 @@ class ConfigObject:
         self._raw = raw
         self._folded: dict[str, str] = {}
         for key in raw:
-            # Go prefers an exact match; among folded matches the last one in the file wins.
+            # Go decodes every key in file order into the field it matches case-insensitively,
+            # so when a key appears twice in different cases the last one wins.
             self._folded[key.casefold()] = key
 
     def _key(self, key: str) -> str | None:
-        if key in self._raw:
-            return key
         return self._folded.get(key.casefold())
 
     def path_of(self, key: str) -> str:
@@ -116,3 +115,9 @@ class ConfigObject:
 
     def keys(self) -> Iterator[str]:
         return iter(self._raw)
+
+    def map_items(self) -> Iterator[tuple[str, Any, str]]:
+        """``(key, value, json path)`` with keys exactly as written: for JSON objects that are Go
+        maps (case-sensitive keys), not structs."""
+        for key, value in self._raw.items():
+            yield key, value, self.path_of(key)

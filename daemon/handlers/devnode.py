@@ -158,6 +158,11 @@ class DevNodeHandler:
                         specs=(DeviceSpec(node.host_path, node.host_path, spec.permissions),),
                         details=node,
                     )
-                    devices.update(dict.fromkeys(device_ids(node, spec.count), info))
+                    ids = device_ids(node, spec.count)
+                    if clash := [device_id for device_id in ids if device_id in devices]:
+                        log.warning("%s: %s gives device ID %r already used by another node; skipped",
+                                    pool.resource, node.host_path, clash[0], extra={"RESOURCE": pool.resource})
+                        continue
+                    devices.update(dict.fromkeys(ids, info))
             result[pool.resource] = devices
         return result

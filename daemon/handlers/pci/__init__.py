@@ -73,7 +73,7 @@ class PciHandler:
         )
 
     def scan(self) -> PciFacts:
-        return scan_pci(self._context.sysfs_root, self._context.proc_root)
+        return scan_pci(self._context.sysfs_root, self._context.dev_root, self._context.proc_root)
 
     def fold(self, facts: PciFacts, event: Event) -> PciFacts:
         return self.scan() if isinstance(event, Resync) else facts

@@ -78,18 +78,40 @@ def _default_route_interfaces(proc_root: Path) -> frozenset[str]:
     return frozenset(interfaces)
 
 
-def _rdma_char_devices(sysfs_root: Path) -> dict[str, tuple[str, ...]]:
-    """RDMA device name -> its character devices under /dev/infiniband (as rdmamap lists them)."""
-    by_rdma_device: dict[str, list[str]] = {}
-    for class_name in ("infiniband_verbs", "infiniband_mad", "infiniband_cm"):
+# rdmamap's order: for each class and name prefix, the first entry whose ibdev is the device.
+_RDMA_CHAR_CLASSES = (
+    ("infiniband_cm", "ucm"),
+    ("infiniband_mad", "issm"),
+    ("infiniband_mad", "umad"),
+    ("infiniband_verbs", "uverbs"),
+)
+
+
+def _rdma_char_devices(sysfs_root: Path, dev_root: Path) -> dict[str, tuple[str, ...]]:
+    """RDMA device name -> its character devices, as rdmamap's GetRdmaCharDevices lists them:
+    ucm, issm, umad, uverbs, then ``/dev/infiniband/rdma_cm`` when that node exists."""
+    owners: dict[tuple[str, str], dict[str, str]] = {}
+    rdma_devices: set[str] = set()
+    for class_name, prefix in _RDMA_CHAR_CLASSES:
         class_dir = sysfs_root / "class" / class_name
+        first_by_owner: dict[str, str] = {}
         for entry in list_dir(class_dir):
-            if entry == "abi_version":
+            if prefix not in entry:
                 continue
             owner = read_text(class_dir / entry / "ibdev")
-            if owner:
-                by_rdma_device.setdefault(owner, []).append(f"/dev/infiniband/{entry}")
-    return {name: tuple(paths) for name, paths in by_rdma_device.items()}
+            if owner and owner not in first_by_owner:
+                first_by_owner[owner] = entry
+        owners[(class_name, prefix)] = first_by_owner
+        rdma_devices.update(first_by_owner)
+    rdma_cm = (dev_root / "infiniband" / "rdma_cm").exists()
+    result: dict[str, tuple[str, ...]] = {}
+    for rdma_device in rdma_devices:
+        paths = [f"/dev/infiniband/{owners[key][rdma_device]}" for key in _RDMA_CHAR_CLASSES
+                 if rdma_device in owners[key]]
+        if rdma_cm:
+            paths.append("/dev/infiniband/rdma_cm")
+        result[rdma_device] = tuple(paths)
+    return result
 
 
 def _first_netdev(directory: Path) -> str | None:
@@ -108,6 +130,15 @@ def _read_link_type(device_dir: Path, netdev: str | None, pf_dir: Path, pf_netde
     return "" if arphrd is None else link_type_name(arphrd)
 
 
+def _read_numa_node(device_dir: Path) -> int | None:
+    """``numa_node``; like upstream, an unreadable value means no topology, not no device."""
+    try:
+        return read_int(device_dir / "numa_node")
+    except SysfsError as error:
+        log.warning("no NUMA node for %s: %s", device_dir.name, error, extra={"PCI_ADDR": device_dir.name})
+        return None
+
+
 def _read_device(
     address: str,
     device_dir: Path,
@@ -123,7 +154,7 @@ def _read_device(
     if vendor is None or device is None or class_code is None:
         missing = [n for n, v in (("vendor", vendor), ("device", device), ("class", class_code)) if v is None]
         raise SysfsError(f"{device_dir}: missing {', '.join(missing)}")
-    numa = read_int(device_dir / "numa_node") if "numa_node" in entries else None
+    numa = _read_numa_node(device_dir) if "numa_node" in entries else None
     is_pf = "sriov_totalvfs" in entries
     num_vfs = (read_int(device_dir / "sriov_numvfs") or 0) if is_pf else 0
 
@@ -173,7 +204,7 @@ def _read_device(
     )
 
 
-def scan_pci(sysfs_root: Path, proc_root: Path) -> PciFacts:
+def scan_pci(sysfs_root: Path, dev_root: Path, proc_root: Path) -> PciFacts:
     """Read every PCI function under ``sysfs_root``; skip (and log) the unreadable ones."""
     devices_dir = sysfs_root / "bus" / "pci" / "devices"
     addresses = list_dir(devices_dir)
@@ -202,5 +233,5 @@ def scan_pci(sysfs_root: Path, proc_root: Path) -> PciFacts:
             log.warning("skipping PCI device %s: %s", address, error, extra={"PCI_ADDR": address})
     return PciFacts(
         devices=MappingProxyType(devices),
-        rdma_char_devices=MappingProxyType(_rdma_char_devices(sysfs_root)),
+        rdma_char_devices=MappingProxyType(_rdma_char_devices(sysfs_root, dev_root)),
     )

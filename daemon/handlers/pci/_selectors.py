@@ -75,8 +75,11 @@ def entry_problem(entry: str) -> str | None:
         return "more than one '#'"
     for part in fields[1].split(","):
         bounds = part.split("-") if "-" in part else [part]
-        if len(bounds) > 2 or any(_go_atoi(b) is None for b in bounds):
+        numbers = [_go_atoi(b) for b in bounds]
+        if len(bounds) > 2 or None in numbers:
             return f"{part!r} is not an index or an A-B range"
+        if len(numbers) == 2 and numbers[0] > numbers[1]:  # type: ignore[operator]
+            return f"range {part!r} is descending and selects nothing"
     return None
 
 
@@ -151,7 +154,7 @@ def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
         for position, entry in enumerate(entries):
             if problem := entry_problem(entry):
                 log.warning(
-                    "%s[%d]: %r: %s; VF indices past that point never match",
+                    "%s[%d]: %r: %s",
                     selector.path_of(key), position, entry, problem,
                 )
     if len(parsed.link_types) > 1:
