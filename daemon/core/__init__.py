@@ -4,7 +4,17 @@ Handlers import from ``daemon.core`` only; the modules behind it are private to 
 """
 
 from ._config import ConfiguredPool, PoolEntry
-from ._events import Event, KubeletSocketCreated, PluginSocketRemoved, Resync
+from ._events import (
+    ConfigChanged,
+    Event,
+    KubeletSocketCreated,
+    LinkChanged,
+    LinkSnapshot,
+    LinkState,
+    PluginSocketRemoved,
+    Resync,
+    UEvent,
+)
 from ._handler import (
     AllocationError,
     Allocator,
@@ -28,6 +38,7 @@ __all__ = [
     "UNHEALTHY",
     "AllocationError",
     "Allocator",
+    "ConfigChanged",
     "ConfigError",
     "ConfigObject",
     "ConfiguredPool",
@@ -40,6 +51,9 @@ __all__ = [
     "Handler",
     "HandlerContext",
     "KubeletSocketCreated",
+    "LinkChanged",
+    "LinkSnapshot",
+    "LinkState",
     "Mount",
     "PluginSocketRemoved",
     "PoolEntry",
@@ -49,6 +63,7 @@ __all__ = [
     "ResourcePool",
     "Resync",
     "SysfsError",
+    "UEvent",
     "UseDefault",
     "default_allocation",
     "frozen_map",

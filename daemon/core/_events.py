@@ -7,7 +7,9 @@ declared interest, kubelet events go to the plugin servers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,4 +39,57 @@ class PluginSocketRemoved:
     path: str
 
 
-Event = Resync | KubeletSocketCreated | PluginSocketRemoved
+@dataclass(frozen=True, slots=True)
+class UEvent:
+    """One kernel uevent (``ACTION@DEVPATH`` plus its ``KEY=VALUE`` properties).
+
+    ``devpath`` is relative to the sysfs root (``/devices/pci0000:00/...``); ``subsystem`` and
+    ``devname`` (``DEVNAME``, a node name relative to /dev) are copied out of ``properties``.
+    """
+
+    action: str
+    devpath: str
+    subsystem: str
+    devname: str | None = None
+    properties: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, slots=True)
+class LinkState:
+    """What rtnetlink says about one network interface."""
+
+    ifindex: int
+    admin_up: bool  # IFF_UP
+    lower_up: bool  # IFF_LOWER_UP: the carrier is there
+
+    @property
+    def carrier_lost(self) -> bool:
+        """Administratively up but without carrier: the link is down under us."""
+        return self.admin_up and not self.lower_up
+
+
+@dataclass(frozen=True, slots=True)
+class LinkChanged:
+    """RTM_NEWLINK / RTM_DELLINK for one interface (``state`` is ``None`` when it was deleted)."""
+
+    ifname: str
+    state: LinkState | None
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSnapshot:
+    """Every interface after a full dump (at start, and after the socket lost messages)."""
+
+    links: Mapping[str, LinkState]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigChanged:
+    """Reload the config file (SIGHUP, or the file or its ConfigMap symlink changed)."""
+
+    reason: str
+
+
+Event = (
+    Resync | KubeletSocketCreated | PluginSocketRemoved | UEvent | LinkChanged | LinkSnapshot | ConfigChanged
+)

@@ -14,10 +14,11 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from os.path import join
 from types import MappingProxyType
 
 from daemon.core import SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
+from daemon.core._sysfs import PathLike
 
 from ._linktypes import link_type_name
 
@@ -67,9 +68,9 @@ class PciFacts:
     rdma_char_devices: Mapping[str, tuple[str, ...]]
 
 
-def _default_route_interfaces(proc_root: Path) -> frozenset[str]:
+def read_default_route_interfaces(proc_root: str) -> frozenset[str]:
     """Interfaces with an IPv4 default route in the main table (``/proc/net/route``)."""
-    text = read_text(proc_root / "net" / "route")
+    text = read_text(join(proc_root, "net", "route"))
     interfaces = set()
     for line in (text or "").splitlines()[1:]:
         fields = line.split()
@@ -87,23 +88,23 @@ _RDMA_CHAR_CLASSES = (
 )
 
 
-def _rdma_char_devices(sysfs_root: Path, dev_root: Path) -> dict[str, tuple[str, ...]]:
+def read_rdma_char_devices(sysfs_root: str, dev_root: str) -> dict[str, tuple[str, ...]]:
     """RDMA device name -> its character devices, as rdmamap's GetRdmaCharDevices lists them:
     ucm, issm, umad, uverbs, then ``/dev/infiniband/rdma_cm`` when that node exists."""
     owners: dict[tuple[str, str], dict[str, str]] = {}
     rdma_devices: set[str] = set()
     for class_name, prefix in _RDMA_CHAR_CLASSES:
-        class_dir = sysfs_root / "class" / class_name
+        class_dir = join(sysfs_root, "class", class_name)
         first_by_owner: dict[str, str] = {}
         for entry in list_dir(class_dir):
             if prefix not in entry:
                 continue
-            owner = read_text(class_dir / entry / "ibdev")
+            owner = read_text(join(class_dir, entry, "ibdev"))
             if owner and owner not in first_by_owner:
                 first_by_owner[owner] = entry
         owners[(class_name, prefix)] = first_by_owner
         rdma_devices.update(first_by_owner)
-    rdma_cm = (dev_root / "infiniband" / "rdma_cm").exists()
+    rdma_cm = os.path.exists(join(dev_root, "infiniband", "rdma_cm"))
     result: dict[str, tuple[str, ...]] = {}
     for rdma_device in rdma_devices:
         paths = [f"/dev/infiniband/{owners[key][rdma_device]}" for key in _RDMA_CHAR_CLASSES
@@ -114,124 +115,149 @@ def _rdma_char_devices(sysfs_root: Path, dev_root: Path) -> dict[str, tuple[str,
     return result
 
 
-def _first_netdev(directory: Path) -> str | None:
-    names = list_dir(directory / "net")
-    return names[0] if names else None
-
-
-def _read_link_type(device_dir: Path, netdev: str | None, pf_dir: Path, pf_netdev: str | None) -> str:
-    """The netlink encapsulation name of the device's own netdev, else of its PF's netdev."""
-    if netdev is not None:
-        arphrd = read_int(device_dir / "net" / netdev / "type")
-    elif pf_netdev is not None:
-        arphrd = read_int(pf_dir / "net" / pf_netdev / "type")
-    else:
-        return ""
+def _netdev_link_type(device_dir: str, netdev: str) -> str:
+    arphrd = read_int(join(device_dir, "net", netdev, "type"))
     return "" if arphrd is None else link_type_name(arphrd)
 
 
-def _read_numa_node(device_dir: Path) -> int | None:
+def _read_numa_node(device_dir: str) -> int | None:
     """``numa_node``; like upstream, an unreadable value means no topology, not no device."""
     try:
-        return read_int(device_dir / "numa_node")
+        return read_int(join(device_dir, "numa_node"))
     except SysfsError as error:
-        log.warning("no NUMA node for %s: %s", device_dir.name, error, extra={"PCI_ADDR": device_dir.name})
+        address = os.path.basename(device_dir)
+        log.warning("no NUMA node for %s: %s", address, error, extra={"PCI_ADDR": address})
         return None
 
 
-def _read_device(
+class _PfNetdevCache:
+    """PF address -> (its first netdev, that netdev's link type), read once per scan."""
+
+    def __init__(self, devices_dir: str) -> None:
+        self._devices_dir = devices_dir
+        self._known: dict[str, tuple[str | None, str]] = {}
+
+    def get(self, pf_address: str, pf_dir: str) -> tuple[str | None, str]:
+        known = self._known.get(pf_address)
+        if known is None:
+            names = list_dir(join(pf_dir, "net"))
+            netdev = names[0] if names else None
+            known = (netdev, _netdev_link_type(pf_dir, netdev) if netdev else "")
+            self._known[pf_address] = known
+        return known
+
+
+def _vf_index(pf_dir: str, address: str) -> int:
+    for name in list_dir(pf_dir):
+        if name.startswith("virtfn") and name[6:].isdigit() and link_name(join(pf_dir, name)) == address:
+            return int(name[6:])
+    return -1
+
+
+def read_device(
     address: str,
-    device_dir: Path,
+    device_dir: str,
     entries: frozenset[str],
     vf_positions: Mapping[str, tuple[str, int]],
     default_route_ifaces: frozenset[str],
+    pf_netdevs: _PfNetdevCache,
 ) -> PciDevice:
+    """One PCI function; raises SysfsError (naming the path) when it cannot be used."""
     if not entries:
         raise SysfsError(f"{device_dir}: device directory is missing or empty")
-    vendor = read_hex_id(device_dir / "vendor", 4)
-    device = read_hex_id(device_dir / "device", 4)
-    class_code = read_hex_id(device_dir / "class", 6)
+    vendor = read_hex_id(f"{device_dir}/vendor", 4)
+    device = read_hex_id(f"{device_dir}/device", 4)
+    class_code = read_hex_id(f"{device_dir}/class", 6)
     if vendor is None or device is None or class_code is None:
         missing = [n for n, v in (("vendor", vendor), ("device", device), ("class", class_code)) if v is None]
         raise SysfsError(f"{device_dir}: missing {', '.join(missing)}")
     numa = _read_numa_node(device_dir) if "numa_node" in entries else None
     is_pf = "sriov_totalvfs" in entries
-    num_vfs = (read_int(device_dir / "sriov_numvfs") or 0) if is_pf else 0
+    num_vfs = (read_int(f"{device_dir}/sriov_numvfs") or 0) if is_pf else 0
 
     pf_address: str | None = None
+    pf_netdev: str | None = None
+    pf_link_type = ""
     vf_index = -1
-    pf_dir = device_dir / "physfn"
     if "physfn" in entries:
+        pf_dir = f"{device_dir}/physfn"
         pf_address = link_name(pf_dir)
         position = vf_positions.get(address)
-        if position is not None:
-            vf_index = position[1]
-        else:  # the PF is not listed under bus/pci/devices: ask it directly
-            for name in list_dir(pf_dir):
-                if name.startswith("virtfn") and link_name(pf_dir / name) == address:
-                    vf_index = int(name[len("virtfn"):])
-                    break
-    pf_netdev = _first_netdev(pf_dir) if pf_address is not None else None
-    netdevs = tuple(list_dir(device_dir / "net")) if "net" in entries else ()
-    netdev = netdevs[0] if netdevs else None
+        vf_index = position[1] if position is not None else _vf_index(pf_dir, address)
+        if pf_address is not None:
+            pf_netdev, pf_link_type = pf_netdevs.get(pf_address, pf_dir)
+    netdevs = tuple(list_dir(f"{device_dir}/net")) if "net" in entries else ()
+    link_type = _netdev_link_type(device_dir, netdevs[0]) if netdevs else pf_link_type
 
     iommu_group: str | None = None
     noiommu = False
     if "iommu_group" in entries:
-        iommu_group = link_name(device_dir / "iommu_group")
-        noiommu = read_text(device_dir / "iommu_group" / "name") == NOIOMMU_GROUP_NAME
+        iommu_group = link_name(f"{device_dir}/iommu_group")
+        noiommu = read_text(f"{device_dir}/iommu_group/name") == NOIOMMU_GROUP_NAME
 
     return PciDevice(
         address=address,
         vendor=vendor,
         device=device,
         class_code=class_code,
-        driver=link_name(device_dir / "driver") if "driver" in entries else None,
+        driver=link_name(f"{device_dir}/driver") if "driver" in entries else None,
         numa_node=numa if numa is not None and numa >= 0 else None,
-        acpi_index=read_text(device_dir / "acpi_index") if "acpi_index" in entries else None,
+        acpi_index=read_text(f"{device_dir}/acpi_index") if "acpi_index" in entries else None,
         is_pf=is_pf,
         num_vfs=num_vfs,
         pf_address=pf_address,
         vf_index=vf_index,
         pf_netdev=pf_netdev,
         netdevs=netdevs,
-        link_type=_read_link_type(device_dir, netdev, pf_dir, pf_netdev),
+        link_type=link_type,
         iommu_group=iommu_group,
         noiommu=noiommu,
-        uio_devices=tuple(list_dir(device_dir / "uio")) if "uio" in entries else (),
-        rdma_devices=tuple(list_dir(device_dir / "infiniband")) if "infiniband" in entries else (),
+        uio_devices=tuple(list_dir(f"{device_dir}/uio")) if "uio" in entries else (),
+        rdma_devices=tuple(list_dir(f"{device_dir}/infiniband")) if "infiniband" in entries else (),
         has_default_route=any(name in default_route_ifaces for name in netdevs),
     )
 
 
-def scan_pci(sysfs_root: Path, dev_root: Path, proc_root: Path) -> PciFacts:
-    """Read every PCI function under ``sysfs_root``; skip (and log) the unreadable ones."""
-    devices_dir = sysfs_root / "bus" / "pci" / "devices"
-    addresses = list_dir(devices_dir)
+def _listing(device_dir: str) -> frozenset[str]:
+    try:
+        return frozenset(os.listdir(device_dir))
+    except OSError:
+        return frozenset()
+
+
+def read_devices(sysfs_root: str, proc_root: str, addresses: list[str]) -> dict[str, PciDevice | None]:
+    """Read ``addresses`` (``None`` for each that is gone or unusable, with a log line)."""
+    devices_dir = f"{sysfs_root}/bus/pci/devices"
+    listings = {address: _listing(f"{devices_dir}/{address}") for address in addresses}
     # VF index from the PF side: one readlink per virtfnN instead of a search per VF.
-    listings: dict[str, frozenset[str]] = {}
     vf_positions: dict[str, tuple[str, int]] = {}
-    for address in addresses:
-        try:
-            names = listings[address] = frozenset(os.listdir(devices_dir / address))
-        except OSError:
-            listings[address] = frozenset()
-            continue
+    for address, names in listings.items():
         for name in names:
             if name.startswith("virtfn") and name[6:].isdigit():
-                vf_address = link_name(devices_dir / address / name)
+                vf_address = link_name(f"{devices_dir}/{address}/{name}")
                 if vf_address:
                     vf_positions[vf_address] = (address, int(name[6:]))
-    default_route_ifaces = _default_route_interfaces(proc_root)
-    devices: dict[str, PciDevice] = {}
+    default_route_ifaces = read_default_route_interfaces(proc_root)
+    pf_netdevs = _PfNetdevCache(devices_dir)
+    result: dict[str, PciDevice | None] = {}
     for address in addresses:
         try:
-            devices[address] = _read_device(
-                address, devices_dir / address, listings[address], vf_positions, default_route_ifaces
+            result[address] = read_device(
+                address, f"{devices_dir}/{address}", listings[address], vf_positions, default_route_ifaces, pf_netdevs
             )
         except SysfsError as error:
-            log.warning("skipping PCI device %s: %s", address, error, extra={"PCI_ADDR": address})
+            if listings[address]:
+                log.warning("skipping PCI device %s: %s", address, error, extra={"PCI_ADDR": address})
+            result[address] = None
+    return result
+
+
+def scan_pci(sysfs_root: PathLike, dev_root: PathLike, proc_root: PathLike) -> PciFacts:
+    """Read every PCI function under ``sysfs_root``; skip (and log) the unreadable ones."""
+    sysfs, dev, proc = os.fspath(sysfs_root), os.fspath(dev_root), os.fspath(proc_root)
+    addresses = list_dir(join(sysfs, "bus", "pci", "devices"))
+    read = read_devices(sysfs, proc, addresses)
     return PciFacts(
-        devices=MappingProxyType(devices),
-        rdma_char_devices=MappingProxyType(_rdma_char_devices(sysfs_root, dev_root)),
+        devices=MappingProxyType({address: device for address, device in read.items() if device is not None}),
+        rdma_char_devices=MappingProxyType(read_rdma_char_devices(sysfs, dev)),
     )
