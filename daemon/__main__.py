@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="where Multus device-info files are written (default: %(default)s)")
     run.add_argument("--cdi-dir", type=Path, default=DEFAULTS.cdi_dir, help="CDI spec directory (default: %(default)s)")
     run.add_argument("--state-dir", type=Path, default=DEFAULTS.state_dir, help="state directory (default: %(default)s)")
+    run.add_argument("--uevent-source", default=DEFAULTS.uevent_source, metavar="auto|udev|kernel|none|unix:PATH",
+                     help="where uevents come from: udev (after udevd's rules), kernel (netlink, no udevd "
+                          "needed), auto (udev when udevd runs, else kernel), none, or unix:PATH (a datagram "
+                          "socket the daemon binds, fed in the kernel's wire format; for tests) "
+                          "(default: %(default)s)")
     run.add_argument("--log-level", choices=LEVELS, default="info", help="(default: %(default)s)")
 
     check = commands.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
@@ -70,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         devinfo_dir=arguments.devinfo_dir,
         cdi_dir=arguments.cdi_dir,
         state_dir=arguments.state_dir,
+        uevent_source=arguments.uevent_source,
     )
     return app.run(settings)
 

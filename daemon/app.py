@@ -2,9 +2,9 @@
 
 ``run(settings)`` is all the CLI calls. It reads like a table of contents: load the handlers and
 the config (exit 2 on a bad one), then inside trio (with the asyncio loop that hosts grpc.aio)
-start the kernel loop and the sources, put the first ``Resync`` on the bus, and serve until
-SIGTERM/SIGINT; then every endpoint ends its streams, stops its server and removes its socket,
-and the handlers clean their side files.
+start the kernel loop and the sources (inotify, uevents, rtnetlink), put the first ``Resync`` on
+the bus, and serve until SIGTERM/SIGINT (SIGHUP reloads the config); then every endpoint ends
+its streams, stops its server and removes its socket, and the handlers clean their side files.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
-from daemon.core import Event, HandlerContext, PoolLifecycle, Resync
+from daemon.core import ConfigChanged, ConfiguredPool, Event, HandlerContext, PoolLifecycle, Resync
 from daemon.core._config import ConfigFileError, DaemonConfig, load_config
 from daemon.core._handler import Handler
 from daemon.core._notifier import Notifier
@@ -24,7 +24,9 @@ from daemon.core._plugins import PluginManager
 from daemon.core._registry import HandlerLoadError, load_handlers, parser_table
 from daemon.core._settings import Settings
 from daemon.kernel import Kernel
-from daemon.sources.kubelet_dir import KubeletDirWatcher
+from daemon.sources.inotify import InotifySource
+from daemon.sources.links import LinkSource
+from daemon.sources.uevents import make_uevent_source
 
 log = logging.getLogger("devplugd")
 
@@ -59,6 +61,11 @@ def run(settings: Settings) -> int:
     except HandlerLoadError as error:
         log.error("%s", error)
         return EXIT_FAILURE
+    try:
+        make_uevent_source(settings.uevent_source, frozenset())
+    except ValueError as error:
+        log.error("--uevent-source %s: %s", settings.uevent_source, error)
+        return EXIT_BAD_CONFIG
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)
     log.info("config %s: %d pools", config.source, len(config.pools))
@@ -66,53 +73,78 @@ def run(settings: Settings) -> int:
     return EXIT_OK
 
 
+def uevent_subsystems(handlers: dict[str, Handler]) -> frozenset[str]:
+    """The uevent subsystems any handler wants (empty: every subsystem)."""
+    wanted: set[str] = set()
+    for handler in handlers.values():
+        if not handler.subsystems:
+            return frozenset()
+        wanted |= handler.subsystems
+    return frozenset(wanted)
+
+
 async def _serve(settings: Settings, handlers: dict[str, Handler], config: DaemonConfig) -> None:
     async with trio_asyncio.open_loop():
         notifier = Notifier()
-        _pools_started(handlers, config)
+        _pools_started(handlers, config.pools)
+        kernel: Kernel | None = None
         try:
             async with trio.open_nursery() as nursery:
                 plugins = PluginManager(settings, notifier, handlers, nursery)
                 log.info("registration mode: %s", plugins.mode)
                 plugins.remove_stale_sockets()
                 send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
-                kernel = Kernel(handlers, config, notifier, plugins)
+                kernel = Kernel(handlers, config, notifier, plugins, lambda: load(settings)[1])
                 nursery.start_soon(kernel.run, receive_channel)
-                watched = [settings.plugins_registry_dir if plugins.mode == "watcher" else settings.device_plugin_dir]
-                if plugins.mode == "watcher":
-                    watched.append(settings.device_plugin_dir)
-                watched[0].mkdir(mode=0o750, parents=True, exist_ok=True)
-                watcher = KubeletDirWatcher(watched, settings.device_plugin_dir)
-                nursery.start_soon(watcher.run, send_channel.clone())
+                await _start_sources(nursery, settings, handlers, plugins.mode, send_channel)
+                # Sources listen before the first scan, so nothing that happens during it is lost.
                 await send_channel.send(Resync(None, "start"))
-                await _wait_for_stop_signal()
+                await _serve_signals(send_channel)
                 log.info("stopping")
                 nursery.cancel_scope.cancel()
         finally:
-            _pools_stopped(handlers, config)
+            _pools_stopped(handlers, (kernel.config if kernel is not None else config).pools)
     log.info("stopped")
 
 
-async def _wait_for_stop_signal() -> None:
+async def _start_sources(
+    nursery: trio.Nursery, settings: Settings, handlers: dict[str, Handler], mode: str,
+    send_channel: trio.MemorySendChannel[Event],
+) -> None:
+    socket_dirs = [settings.plugins_registry_dir if mode == "watcher" else settings.device_plugin_dir]
+    if mode == "watcher":
+        socket_dirs.append(settings.device_plugin_dir)
+    socket_dirs[0].mkdir(mode=0o750, parents=True, exist_ok=True)
+    inotify = InotifySource(socket_dirs, settings.device_plugin_dir, settings.config_path)
+    nursery.start_soon(inotify.run, send_channel.clone())
+    uevents = make_uevent_source(settings.uevent_source, uevent_subsystems(handlers))
+    await nursery.start(uevents.run, send_channel.clone())
+    log.info("uevents: %s", uevents.describe())
+    if any(getattr(handler, "wants_links", False) for handler in handlers.values()):
+        await nursery.start(LinkSource().run, send_channel.clone())
+
+
+async def _serve_signals(send_channel: trio.MemorySendChannel[Event]) -> None:
+    """SIGHUP reloads the config; return on SIGTERM or SIGINT."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
-                log.warning("SIGHUP: config reload is not available yet; still serving the loaded config")
+                await send_channel.send(ConfigChanged("SIGHUP"))
                 continue
             log.info("received %s", signal.Signals(signum).name)
             return
 
 
-def _pools_started(handlers: dict[str, Handler], config: DaemonConfig) -> None:
+def _pools_started(handlers: dict[str, Handler], pools: tuple[ConfiguredPool, ...]) -> None:
     for name, handler in handlers.items():
         if isinstance(handler, PoolLifecycle):
-            handler.pools_started(config.pools_of(name))
+            handler.pools_started([pool for pool in pools if pool.handler == name])
 
 
-def _pools_stopped(handlers: dict[str, Handler], config: DaemonConfig) -> None:
+def _pools_stopped(handlers: dict[str, Handler], pools: tuple[ConfiguredPool, ...]) -> None:
     for name, handler in handlers.items():
         if isinstance(handler, PoolLifecycle):
             try:
-                handler.pools_stopped(config.pools_of(name))
+                handler.pools_stopped([pool for pool in pools if pool.handler == name])
             except Exception:
                 log.exception("handler %s failed to clean up", name)

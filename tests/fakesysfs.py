@@ -68,6 +68,17 @@ class FakeHost:
     def device_dir(self, address: str) -> Path:
         return (self.sys / "bus" / "pci" / "devices" / address).resolve()
 
+    def devpath(self, address: str, *below: str) -> str:
+        """The uevent DEVPATH of a PCI function (or of ``below`` it, e.g. ``net``, ``eth0``)."""
+        relative = self.device_dir(address).relative_to(self.sys.resolve())
+        return "/" + "/".join((relative.as_posix(), *below))
+
+    def remove_netdev(self, address: str, ifname: str) -> None:
+        shutil.rmtree(self.device_dir(address) / "net" / ifname)
+        (self.sys / "class" / "net" / ifname).unlink(missing_ok=True)
+        if not any((self.device_dir(address) / "net").iterdir()):
+            (self.device_dir(address) / "net").rmdir()
+
     # -- PCI functions ------------------------------------------------------------------------
     def add_pci(
         self,

@@ -269,6 +269,7 @@ def test_devnode_pool_offers_a_real_node_count_times(short_tmp, host, kubelet, r
 def test_unhealthy_and_foreign_requests_leave_other_resources_alone(host, kubelet, run_daemon):
     sriov_host(host)
     run_daemon(SRIOV_CONFIG)
+    kubelet.wait_for_devices("intel.com/dpdk_a", 4)
     kubelet.wait_for_devices("intel.com/dpdk_b", 3)
     with pytest.raises(grpc.RpcError):
         kubelet.allocate("intel.com/dpdk_b", [VFS[0]])  # belongs to dpdk_a

@@ -12,7 +12,8 @@ import trio.testing
 import trio_asyncio
 
 from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
-from daemon.core._config import parse_config
+from daemon.core import ConfigChanged
+from daemon.core._config import DaemonConfig, parse_config
 from daemon.core._notifier import Notifier
 from daemon.core._plugins import PluginManager
 from daemon.core._settings import Settings
@@ -42,7 +43,7 @@ class CountingHandler:
         return self.devices
 
     def fold(self, facts: int, event: Event) -> int:
-        return facts
+        return self.scan() if isinstance(event, Resync) else facts
 
     def build(self, facts: int, pools: Sequence[ConfiguredPool]) -> dict[str, Any]:
         if self.fail_build:
@@ -50,16 +51,27 @@ class CountingHandler:
         return {pool.resource: {f"d{n}": DeviceInfo() for n in range(facts)} for pool in pools}
 
 
-def make_kernel(tmp: Path, nursery: trio.Nursery) -> tuple[Kernel, Notifier, CountingHandler]:
+def counted_config(handler: CountingHandler, *names: str) -> DaemonConfig:
+    pools = [{"resourceName": name, "deviceType": "counted", "selectors": {}} for name in names]
+    return parse_config(json.dumps({"resourceList": pools}), "test", "example.com",
+                        {"counted": ("counting", handler.parse_pool)})
+
+
+def make_kernel(
+    tmp: Path, nursery: trio.Nursery, next_config: list[str] | None = None
+) -> tuple[Kernel, Notifier, CountingHandler]:
+    """A kernel serving pool ``things``; a reload reads ``next_config`` (JSON text)."""
     handler = CountingHandler()
-    config = parse_config(
-        json.dumps({"resourceList": [{"resourceName": "things", "deviceType": "counted", "selectors": {}}]}),
-        "test", "example.com", {"counted": ("counting", handler.parse_pool)},
-    )
+    config = counted_config(handler, "things")
+
+    def load_config() -> DaemonConfig:
+        text = next_config[0] if next_config else "{}"
+        return parse_config(text, "test", "example.com", {"counted": ("counting", handler.parse_pool)})
+
     settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
     notifier = Notifier()
     plugins = PluginManager(settings, notifier, {"counting": handler}, nursery)
-    return Kernel({"counting": handler}, config, notifier, plugins), notifier, handler
+    return Kernel({"counting": handler}, config, notifier, plugins, load_config), notifier, handler
 
 
 async def test_initial_scan_arrives_as_an_event_and_is_served(short_tmp):
@@ -118,4 +130,29 @@ async def test_a_failing_handler_keeps_its_last_devices(short_tmp):
         await send.send(Resync("counting", "recovered"))
         await wait_for_scans(handler, 4)
         assert len(notifier.tree.pools["example.com/things"].devices) == 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_reload_adds_and_withdraws_pools_and_a_bad_file_changes_nothing(short_tmp):
+    next_config = ["{}"]
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        kernel, notifier, handler = make_kernel(short_tmp, nursery, next_config)
+        send, receive = trio.open_memory_channel[Event](16)
+        nursery.start_soon(kernel.run, receive)
+        await send.send(Resync(None, "start"))
+        await kernel.first_tree_published.wait()
+        first_tree = notifier.tree
+        next_config[0] = "{broken"
+        await send.send(ConfigChanged("test"))
+        await trio.sleep(0.05)
+        assert notifier.tree is first_tree and kernel.reloads == 0
+        next_config[0] = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted",
+                                                       "selectors": {}}]})
+        await send.send(ConfigChanged("test"))
+        with trio.fail_after(5):
+            while not list((short_tmp / "dp").glob("devplugd-example.com_others-*.sock")):
+                await trio.sleep(0.01)
+            while list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock")):
+                await trio.sleep(0.01)
+        assert set(notifier.tree.pools) == {"example.com/others"}
         nursery.cancel_scope.cancel()

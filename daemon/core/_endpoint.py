@@ -114,8 +114,11 @@ class Kick:
 class ResourceEndpoint:
     """Serves one resource and keeps it registered. ``run`` is its whole life."""
 
-    def __init__(self, resource: str, handler: Handler, notifier: Notifier, settings: Settings, mode: str) -> None:
+    def __init__(
+        self, resource: str, handler_name: str, handler: Handler, notifier: Notifier, settings: Settings, mode: str
+    ) -> None:
         self.resource = resource
+        self.handler_name = handler_name
         self._handler = handler
         self._notifier = notifier
         self._settings = settings

@@ -52,9 +52,17 @@ class PluginManager:
 
     def sync(self, tree: DeviceTree) -> None:
         for resource, pool in tree.pools.items():
+            current = self._endpoints.get(resource)
+            if current is not None and current[0].handler_name != pool.handler:
+                log.info("%s moved to handler %s: serving it again", resource, pool.handler,
+                         extra={"RESOURCE": resource})
+                current[1].cancel()
+                del self._endpoints[resource]
             if resource in self._endpoints or not pool.devices:
                 continue
-            endpoint = ResourceEndpoint(resource, self._handlers[pool.handler], self._notifier, self._settings, self.mode)
+            endpoint = ResourceEndpoint(
+                resource, pool.handler, self._handlers[pool.handler], self._notifier, self._settings, self.mode
+            )
             scope = trio.CancelScope()
             self._endpoints[resource] = (endpoint, scope)
             self._nursery.start_soon(self._run_endpoint, endpoint, scope, name=f"endpoint {resource}")

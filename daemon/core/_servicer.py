@@ -37,6 +37,10 @@ log = logging.getLogger("devplugd.server")
 
 API_VERSION = "v1beta1"
 MAX_IDS_NAMED = 5
+# A stream sends a change at once, then at most one message per window while changes keep
+# coming (a 256-VF burst becomes a handful of lists, not 256). The timer runs only while a
+# change is waiting, never while idle.
+COALESCE_WINDOW = 0.02
 
 
 class _StreamClosed(Exception):
@@ -58,15 +62,26 @@ class StreamMailbox:
         self._closed = True
         self._wakeup.set()
 
-    async def next_pool(self) -> ResourcePool | None:
+    async def next_pool(self, not_before: float = 0.0) -> ResourcePool | None:
+        """The newest pool offered; if that comes before loop time ``not_before``, wait until
+        then and return whatever is newest by that time."""
         while True:
             if self._closed:
                 raise _StreamClosed
             full, pool = self._latest.take()
             if full:
-                return pool
+                break
             self._wakeup.clear()
             await self._wakeup.wait()
+        delay = not_before - asyncio.get_running_loop().time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+            if self._closed:
+                raise _StreamClosed
+            full, newer = self._latest.take()
+            if full:
+                pool = newer
+        return pool
 
 
 def list_response(pool: ResourcePool | None) -> dp.ListAndWatchResponse:
@@ -171,15 +186,18 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         mailbox = StreamMailbox()
         self._streams.add(mailbox)
         pool = self._notifier.subscribe(self.resource, mailbox)
+        loop = asyncio.get_running_loop()
         try:
             last_listing = pool.listing if pool is not None else ()
             yield list_response(pool)
+            last_sent = loop.time()
             while True:
-                pool = await mailbox.next_pool()
+                pool = await mailbox.next_pool(not_before=last_sent + COALESCE_WINDOW)
                 listing = pool.listing if pool is not None else ()
                 if listing != last_listing:
                     last_listing = listing
                     yield list_response(pool)
+                    last_sent = loop.time()
         except _StreamClosed:
             return
         finally:

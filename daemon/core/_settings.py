@@ -22,6 +22,7 @@ class Settings:
     devinfo_dir: Path = Path("/var/run/k8s.cni.cncf.io/devinfo/dp")
     cdi_dir: Path = Path("/var/run/cdi")
     state_dir: Path = Path("/var/lib/devplugd")
+    uevent_source: str = "auto"
     register_timeout: float = 20.0
 
     @property

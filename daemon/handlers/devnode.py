@@ -31,6 +31,7 @@ from daemon.core import (
     PoolEntry,
     Resync,
     SysfsError,
+    UEvent,
     read_int,
 )
 
@@ -82,7 +83,10 @@ def device_ids(node: DeviceNode, count: int) -> list[str]:
 class DevNodeHandler:
     name: ClassVar[str] = "devnode"
     device_types: ClassVar[frozenset[str]] = frozenset({"devNode"})
-    subsystems: ClassVar[frozenset[str]] = frozenset({"misc", "block", "net", "tty", "mem"})
+    # Any subsystem can have device nodes (misc, block, macvtap, mem, tty, vfio, ...): all uevents
+    # are read and those without DEVNAME are ignored at once.
+    subsystems: ClassVar[frozenset[str]] = frozenset()
+    wants_links: ClassVar[bool] = False
 
     def __init__(self, context: HandlerContext) -> None:
         self._context = context
@@ -107,25 +111,30 @@ class DevNodeHandler:
     def scan(self) -> Mapping[str, DeviceNode]:
         """Every character and block device node under the dev root, by relative path."""
         nodes: dict[str, DeviceNode] = {}
-        root = self._context.dev_root
+        root = os.fspath(self._context.dev_root)
         for directory, subdirectories, files in os.walk(root):
             subdirectories.sort()
             for file_name in sorted(files):
-                full_path = os.path.join(directory, file_name)
-                try:
-                    status = os.stat(full_path, follow_symlinks=False)
-                except OSError:
-                    continue  # vanished while we walked
-                if stat.S_ISCHR(status.st_mode):
-                    kind = "char"
-                elif stat.S_ISBLK(status.st_mode):
-                    kind = "block"
-                else:
-                    continue
-                relative = os.path.relpath(full_path, root)
-                major, minor = os.major(status.st_rdev), os.minor(status.st_rdev)
-                nodes[relative] = DeviceNode(relative, kind, major, minor, self._numa_node(kind, major, minor))
+                relative = os.path.relpath(os.path.join(directory, file_name), root)
+                node = self._read_node(relative)
+                if node is not None:
+                    nodes[relative] = node
         return MappingProxyType(nodes)
+
+    def _read_node(self, relative: str) -> DeviceNode | None:
+        """The device node at ``relative`` under the dev root, or ``None`` if there is none."""
+        try:
+            status = os.stat(os.path.join(self._context.dev_root, relative), follow_symlinks=False)
+        except (OSError, ValueError):
+            return None  # gone (or never there): not a device
+        if stat.S_ISCHR(status.st_mode):
+            kind = "char"
+        elif stat.S_ISBLK(status.st_mode):
+            kind = "block"
+        else:
+            return None
+        major, minor = os.major(status.st_rdev), os.minor(status.st_rdev)
+        return DeviceNode(relative, kind, major, minor, self._numa_node(kind, major, minor))
 
     def _numa_node(self, kind: str, major: int, minor: int) -> int | None:
         path = self._context.sysfs_root / "dev" / kind / f"{major}:{minor}" / "device" / "numa_node"
@@ -137,7 +146,26 @@ class DevNodeHandler:
         return numa if numa is not None and numa >= 0 else None
 
     def fold(self, facts: Mapping[str, DeviceNode], event: Event) -> Mapping[str, DeviceNode]:
-        return self.scan() if isinstance(event, Resync) else facts
+        """A uevent with ``DEVNAME`` adds, replaces or removes that one node (devtmpfs made or
+        removed it before the kernel sent the event); ``Resync`` scans everything again."""
+        if isinstance(event, Resync):
+            return self.scan()
+        if not isinstance(event, UEvent) or not event.devname:
+            return facts
+        relative = os.path.normpath(event.devname)
+        if relative.startswith(("/", "..")):
+            log.warning("ignoring uevent %s %s: DEVNAME %r is outside /dev", event.action, event.devpath,
+                        event.devname, extra={"EVENT": event.action})
+            return facts
+        node = None if event.action == "remove" else self._read_node(relative)
+        if facts.get(relative) == node:
+            return facts
+        updated = dict(facts)
+        if node is None:
+            updated.pop(relative, None)
+        else:
+            updated[relative] = node
+        return MappingProxyType(updated)
 
     def build(self, facts: Mapping[str, DeviceNode], pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
         taken: set[str] = set()

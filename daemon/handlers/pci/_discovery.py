@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from os.path import join
 from types import MappingProxyType
+from typing import Any
 
-from daemon.core import SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
+from daemon.core import LinkState, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
 from daemon.core._sysfs import PathLike
 
 from ._linktypes import link_type_name
@@ -60,12 +62,35 @@ class PciDevice:
         return self.class_code[:2]
 
 
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
 @dataclass(frozen=True)
 class PciFacts:
-    """The PCI part of the host: devices by address (in address order) and RDMA char devices."""
+    """The PCI part of the host: devices by address, RDMA char devices, and link states.
+
+    ``token`` names this version of the facts. ``lineage`` lists the recent folds that led here,
+    each as (token of the facts before it, devices changed, interfaces changed), so the pool
+    build can redo only what changed since the version it last built; a full scan starts a new
+    lineage.
+    """
 
     devices: Mapping[str, PciDevice]
     rdma_char_devices: Mapping[str, tuple[str, ...]]
+    links: Mapping[str, LinkState] = field(default_factory=lambda: _EMPTY)
+    token: int = field(default_factory=lambda: secrets.randbits(63))
+    lineage: tuple[tuple[int, frozenset[str], frozenset[str]], ...] = ()
+
+    def changes_since(self, token: int) -> tuple[frozenset[str], frozenset[str]] | None:
+        """(devices, interfaces) changed since the version ``token``; ``None`` if unknown."""
+        if token == self.token:
+            return frozenset(), frozenset()
+        for index, (before, _, _) in enumerate(self.lineage):
+            if before == token:
+                addresses = frozenset().union(*(step[1] for step in self.lineage[index:]))
+                links = frozenset().union(*(step[2] for step in self.lineage[index:]))
+                return addresses, links
+        return None
 
 
 def read_default_route_interfaces(proc_root: str) -> frozenset[str]:
@@ -183,7 +208,10 @@ def read_device(
         pf_dir = f"{device_dir}/physfn"
         pf_address = link_name(pf_dir)
         position = vf_positions.get(address)
-        vf_index = position[1] if position is not None else _vf_index(pf_dir, address)
+        if position is not None and link_name(f"{pf_dir}/virtfn{position[1]}") == address:
+            vf_index = position[1]
+        else:
+            vf_index = _vf_index(pf_dir, address)
         if pf_address is not None:
             pf_netdev, pf_link_type = pf_netdevs.get(pf_address, pf_dir)
     netdevs = tuple(list_dir(f"{device_dir}/net")) if "net" in entries else ()
@@ -225,18 +253,35 @@ def _listing(device_dir: str) -> frozenset[str]:
         return frozenset()
 
 
-def read_devices(sysfs_root: str, proc_root: str, addresses: list[str]) -> dict[str, PciDevice | None]:
-    """Read ``addresses`` (``None`` for each that is gone or unusable, with a log line)."""
+def vf_positions_of(devices_dir: str, pf_address: str, names: Iterable[str]) -> dict[str, tuple[str, int]]:
+    """VF address -> (PF address, VF index), from the PF's ``virtfnN`` links."""
+    positions = {}
+    for name in names:
+        if name.startswith("virtfn") and name[6:].isdigit():
+            vf_address = link_name(f"{devices_dir}/{pf_address}/{name}")
+            if vf_address:
+                positions[vf_address] = (pf_address, int(name[6:]))
+    return positions
+
+
+def read_devices(
+    sysfs_root: str,
+    proc_root: str,
+    addresses: list[str],
+    vf_positions: Mapping[str, tuple[str, int]] | None = None,
+) -> dict[str, PciDevice | None]:
+    """Read ``addresses`` (``None`` for each that is gone or unusable, with a log line).
+
+    VF indices come from ``vf_positions`` when given (checked with one readlink each), else
+    from the ``virtfnN`` links of the PFs among ``addresses`` (one readlink per VF instead of a
+    search per VF), else from a search of the VF's PF.
+    """
     devices_dir = f"{sysfs_root}/bus/pci/devices"
     listings = {address: _listing(f"{devices_dir}/{address}") for address in addresses}
-    # VF index from the PF side: one readlink per virtfnN instead of a search per VF.
-    vf_positions: dict[str, tuple[str, int]] = {}
-    for address, names in listings.items():
-        for name in names:
-            if name.startswith("virtfn") and name[6:].isdigit():
-                vf_address = link_name(f"{devices_dir}/{address}/{name}")
-                if vf_address:
-                    vf_positions[vf_address] = (address, int(name[6:]))
+    if vf_positions is None:
+        vf_positions = {}
+        for address, names in listings.items():
+            vf_positions.update(vf_positions_of(devices_dir, address, names))
     default_route_ifaces = read_default_route_interfaces(proc_root)
     pf_netdevs = _PfNetdevCache(devices_dir)
     result: dict[str, PciDevice | None] = {}

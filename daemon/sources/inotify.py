@@ -1,9 +1,16 @@
-"""inotify on the kubelet's socket directories: a kubelet (re)start and removed sockets.
+"""inotify on the files the daemon follows: the kubelet's socket directories and the config file.
 
-The kubelet, when it starts, deletes every socket in ``device-plugins/`` and then creates
-``kubelet.sock``; both show up here within microseconds, with no polling. One inotify instance
-serves all watched directories. A watched directory that is deleted is watched for again
-through its parent.
+One inotify instance for the whole daemon (one per resource exhausted
+``fs.inotify.max_user_instances`` for a peer). It reports:
+
+* ``kubelet.sock`` created in the device-plugin directory: a kubelet (re)started (it deletes
+  every socket there first, then listens again);
+* a socket removed from a directory we serve in;
+* the config file written, replaced, or swapped ConfigMap-style (the ``..data`` symlink in its
+  directory renamed into place): reload it.
+
+A watched directory that is deleted is watched for again through its parent. Nothing here
+polls: the task sleeps in ``wait_readable`` until the kernel has something to say.
 """
 
 from __future__ import annotations
@@ -15,23 +22,30 @@ import trio
 from inotify_simple import INotify
 from inotify_simple import flags as in_flags
 
-from daemon.core import Event, KubeletSocketCreated, PluginSocketRemoved
+from daemon.core import ConfigChanged, Event, KubeletSocketCreated, PluginSocketRemoved
 from daemon.core._settings import KUBELET_SOCKET_NAME
 
 log = logging.getLogger("devplugd.inotify")
 
-DIR_MASK = in_flags.CREATE | in_flags.MOVED_TO | in_flags.DELETE | in_flags.MOVED_FROM | in_flags.DELETE_SELF
+DIR_MASK = (
+    in_flags.CREATE | in_flags.MOVED_TO | in_flags.DELETE | in_flags.MOVED_FROM
+    | in_flags.DELETE_SELF | in_flags.CLOSE_WRITE
+)
 PARENT_MASK = in_flags.CREATE | in_flags.MOVED_TO
+CONFIGMAP_DATA_LINK = "..data"
 
 
-class KubeletDirWatcher:
-    def __init__(self, directories: list[Path], kubelet_dir: Path | None) -> None:
-        self._directories = directories
+class InotifySource:
+    def __init__(self, socket_dirs: list[Path], kubelet_dir: Path | None, config_path: Path | None) -> None:
         self._kubelet_dir = kubelet_dir
+        self._config_path = config_path
+        self._directories = list(dict.fromkeys(
+            [*socket_dirs, *([config_path.parent] if config_path is not None else [])]))
+        self._socket_dirs = set(socket_dirs)
         self._inotify = INotify(nonblocking=True)
         self._watched: dict[int, Path] = {}
         self._parents: dict[int, Path] = {}
-        for directory in directories:
+        for directory in self._directories:
             self._watch(directory)
 
     def _watch(self, directory: Path) -> None:
@@ -65,11 +79,7 @@ class KubeletDirWatcher:
             return events
         for raw in raw_events:
             if raw.wd in self._parents:
-                parent = self._parents[raw.wd]
-                if (parent / raw.name) in self._directories and (parent / raw.name) not in self._watched.values():
-                    self._watch(parent / raw.name)
-                    if (parent / raw.name) == self._kubelet_dir and (parent / raw.name / KUBELET_SOCKET_NAME).exists():
-                        events.append(KubeletSocketCreated(str(parent / raw.name / KUBELET_SOCKET_NAME)))
+                self._directory_appeared(self._parents[raw.wd] / raw.name, events)
                 continue
             directory = self._watched.get(raw.wd)
             if directory is None:
@@ -80,6 +90,13 @@ class KubeletDirWatcher:
                 self._watch(directory)
                 continue
             path = directory / raw.name
+            if self._config_path is not None and directory == self._config_path.parent and raw.name in (
+                self._config_path.name, CONFIGMAP_DATA_LINK
+            ):
+                if raw.mask & (in_flags.CLOSE_WRITE | in_flags.MOVED_TO | in_flags.CREATE | in_flags.DELETE):
+                    events.append(ConfigChanged(f"{path} changed"))
+            if directory not in self._socket_dirs:
+                continue
             if raw.mask & (in_flags.CREATE | in_flags.MOVED_TO):
                 if raw.name == KUBELET_SOCKET_NAME and directory == self._kubelet_dir:
                     log.info("kubelet.sock created: the kubelet (re)started", extra={"EVENT": "kubelet-start"})
@@ -87,3 +104,12 @@ class KubeletDirWatcher:
             elif raw.mask & (in_flags.DELETE | in_flags.MOVED_FROM):
                 events.append(PluginSocketRemoved(str(path)))
         return events
+
+    def _directory_appeared(self, path: Path, events: list[Event]) -> None:
+        if path not in self._directories or path in self._watched.values():
+            return
+        self._watch(path)
+        if path == self._kubelet_dir and (path / KUBELET_SOCKET_NAME).exists():
+            events.append(KubeletSocketCreated(str(path / KUBELET_SOCKET_NAME)))
+        if self._config_path is not None and path == self._config_path.parent:
+            events.append(ConfigChanged(f"{path} appeared"))

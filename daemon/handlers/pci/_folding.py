@@ -1,0 +1,153 @@
+"""Folding one event into the PCI facts: re-read only the devices it concerns.
+
+A uevent names a device path; the PCI function is the deepest ``DDDD:BB:DD.F`` component of it
+(``/devices/pci0000:00/0000:00:02.0/0000:3b:00.0/net/ens1f0`` concerns ``0000:3b:00.0``).
+That function is read again from sysfs exactly as a full scan reads it, together with the
+functions whose facts depend on it: a VF's PF (``sriov_numvfs``), a PF's VFs (their PF netdev
+and link type). A function that is gone leaves the facts. Link events only replace link states.
+The result is what a full scan of the same sysfs would give.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from types import MappingProxyType
+
+from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
+
+from ._discovery import PciDevice, PciFacts, read_devices, read_rdma_char_devices, vf_positions_of
+
+log = logging.getLogger("devplugd.pci")
+
+PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
+RDMA_SUBSYSTEMS = frozenset({"infiniband", "infiniband_verbs", "infiniband_mad", "infiniband_cm"})
+
+
+def pci_address_of(devpath: str) -> str | None:
+    """The deepest PCI function named in a device path, or ``None`` (virtual devices)."""
+    for component in reversed(devpath.split("/")):
+        if PCI_ADDRESS.fullmatch(component):
+            return component
+    return None
+
+
+def _related_in(facts: PciFacts, address: str) -> set[str]:
+    device = facts.devices.get(address)
+    if device is None:
+        return set()
+    related = {device.pf_address} if device.pf_address else set()
+    if device.is_pf:
+        related.update(d.address for d in facts.devices.values() if d.pf_address == address)
+    return related
+
+
+def _known_positions(facts: PciFacts, addresses: Iterable[str]) -> dict[str, tuple[str, int]]:
+    positions = {}
+    for address in addresses:
+        device = facts.devices.get(address)
+        if device is not None and device.pf_address is not None and device.vf_index >= 0:
+            positions[address] = (device.pf_address, device.vf_index)
+    return positions
+
+
+def _new_vfs_of(facts: PciFacts, devices_dir: str, pf_address: str) -> dict[str, tuple[str, int]]:
+    """VFs of ``pf_address`` on disk that the facts do not know yet, with their positions."""
+    positions = vf_positions_of(devices_dir, pf_address, list_dir(f"{devices_dir}/{pf_address}"))
+    return {vf: position for vf, position in positions.items() if vf not in facts.devices}
+
+
+def refresh_devices(facts: PciFacts, addresses: Iterable[str], sysfs_root: str, proc_root: str) -> PciFacts:
+    """Facts with ``addresses`` read again, with the functions whose facts depend on them: their
+    PF (its ``sriov_numvfs``) and, for a PF, its VFs (their PF netdev and link type).
+
+    A burst (256 VFs from one ``sriov_numvfs`` write) must not cost 256 x 256 reads: a PF read
+    again only because one of its VFs changed does not pull in its other VFs (nothing of theirs
+    depends on a sibling), known VFs keep their index (checked with one readlink), and the first
+    new VF of a PF brings in every VF of that PF the facts do not know yet, so the uevents of the
+    others find them already read.
+    """
+    devices_dir = f"{sysfs_root}/bus/pci/devices"
+    primary = set(addresses)
+    wanted = set(primary)
+    for address in primary:
+        wanted |= _related_in(facts, address)
+    positions = _known_positions(facts, wanted)
+    read = read_devices(sysfs_root, proc_root, sorted(wanted), positions)
+    extra_positions: dict[str, tuple[str, int]] = {}
+    extra_pfs: set[str] = set()
+    for address in primary:
+        device = read.get(address)
+        if device is None:
+            continue
+        if device.is_pf:
+            extra_positions.update(vf_positions_of(devices_dir, address, list_dir(f"{devices_dir}/{address}")))
+        elif device.pf_address is not None and address not in facts.devices:
+            extra_positions.update(_new_vfs_of(facts, devices_dir, device.pf_address))
+            extra_pfs.add(device.pf_address)
+    extra = sorted((set(extra_positions) | extra_pfs) - wanted)
+    if extra:
+        read.update(read_devices(sysfs_root, proc_root, extra, {**positions, **extra_positions}))
+    devices = dict(facts.devices)
+    changed = set()
+    for address, device in read.items():
+        if device is None:
+            if devices.pop(address, None) is not None:
+                changed.add(address)
+        elif devices.get(address) != device:
+            devices[address] = device
+            changed.add(address)
+    if not changed:
+        return facts
+    return _child(facts, devices=MappingProxyType(devices), changed_addresses=frozenset(changed))
+
+
+MAX_LINEAGE = 256
+
+
+def _child(
+    facts: PciFacts,
+    *,
+    changed_addresses: frozenset[str] = frozenset(),
+    changed_links: frozenset[str] = frozenset(),
+    **changes: object,
+) -> PciFacts:
+    step = (facts.token, changed_addresses, changed_links)
+    return replace(
+        facts,
+        token=secrets.randbits(63),
+        lineage=(*facts.lineage[-(MAX_LINEAGE - 1):], step),
+        **changes,  # type: ignore[arg-type]
+    )
+
+
+def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, proc_root: str) -> PciFacts:
+    if event.subsystem in RDMA_SUBSYSTEMS:
+        rdma = read_rdma_char_devices(sysfs_root, dev_root)
+        if rdma != dict(facts.rdma_char_devices):
+            facts = _child(facts, rdma_char_devices=MappingProxyType(rdma),
+                           changed_addresses=frozenset(facts.devices))
+    address = pci_address_of(event.devpath)
+    if address is None:
+        return facts
+    return refresh_devices(facts, [address], sysfs_root, proc_root)
+
+
+def fold_links(facts: PciFacts, event: LinkChanged | LinkSnapshot) -> PciFacts:
+    if isinstance(event, LinkSnapshot):
+        links: Mapping[str, object] = event.links
+        changed = {name for name in facts.links.keys() | links.keys() if facts.links.get(name) != links.get(name)}
+        if not changed:
+            return facts
+        return _child(facts, links=MappingProxyType(dict(event.links)), changed_links=frozenset(changed))
+    if facts.links.get(event.ifname) == event.state:
+        return facts
+    updated = dict(facts.links)
+    if event.state is None:
+        updated.pop(event.ifname, None)
+    else:
+        updated[event.ifname] = event.state
+    return _child(facts, links=MappingProxyType(updated), changed_links=frozenset({event.ifname}))

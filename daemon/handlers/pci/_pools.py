@@ -1,0 +1,197 @@
+"""From PCI facts and pool configs to the devices of each resource, redoing only what changed.
+
+Each device goes to the first pool and selector (in file order) that admits it, exactly as the
+SR-IOV plugin assigns devices; since that depends on the device alone, a fold that changed a few
+devices (or the links they depend on) only moves those few. The builder keeps what it built last
+and patches it; anything it cannot account for (new pools, an unknown lineage) is a full build.
+Health: a device is Unhealthy when its own link, or (``checkHealthOnPf``, default on) its PF's
+link, is administratively up without carrier.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from types import MappingProxyType
+
+from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, LinkState
+
+from ._allocation import PciDetails, device_specs_and_info
+from ._ddp import read_ddp_profile
+from ._discovery import PciDevice, PciFacts
+from ._selectors import ACCELERATOR, PciSelector
+
+log = logging.getLogger("devplugd.pci")
+
+NETWORK_CLASS = "02"
+ACCELERATOR_CLASS = "12"
+
+
+@dataclass(frozen=True)
+class PciPoolSpec:
+    device_type: str
+    selectors: tuple[PciSelector, ...]
+    check_health_on_pf: bool = True
+
+
+def eligible(device: PciDevice, device_type: str) -> bool:
+    """Whether upstream would consider ``device`` for a pool of ``device_type`` at all."""
+    if device.driver is None:
+        return False
+    if device_type == ACCELERATOR:
+        return device.base_class == ACCELERATOR_CLASS
+    return (
+        device.base_class == NETWORK_CLASS
+        and not (device.is_pf and device.num_vfs > 0)
+        and not device.has_default_route
+    )
+
+
+def health(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool) -> str:
+    watched = [device.netdevs[0]] if device.netdevs else []
+    if check_on_pf and device.pf_netdev:
+        watched.append(device.pf_netdev)
+    for ifname in watched:
+        state = links.get(ifname)
+        if state is not None and state.carrier_lost:
+            return UNHEALTHY
+    return HEALTHY
+
+
+def _depends_on(device: PciDevice) -> set[str]:
+    names = {device.netdevs[0]} if device.netdevs else set()
+    if device.pf_netdev:
+        names.add(device.pf_netdev)
+    return names
+
+
+@dataclass
+class _Built:
+    pools: tuple[ConfiguredPool, ...]
+    token: int
+    vhost_available: bool
+    placed: dict[str, str] = field(default_factory=dict)  # address -> resource
+    devices: dict[str, Mapping[str, DeviceInfo]] = field(default_factory=dict)  # resource -> devices
+    link_users: dict[str, set[str]] = field(default_factory=dict)  # ifname -> addresses
+
+
+class PoolBuilder:
+    """Builds (and rebuilds incrementally) the devices of the PCI pools."""
+
+    def __init__(self, dev_root: str) -> None:
+        self._dev_root = dev_root
+        self._last: _Built | None = None
+
+    def _vhost_available(self) -> bool:
+        return os.path.exists(f"{self._dev_root}/vhost-net") and os.path.exists(f"{self._dev_root}/net/tun")
+
+    def build(self, facts: PciFacts, pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
+        pools = tuple(pools)
+        vhost_available = self._vhost_available()
+        last = self._last
+        changes = None
+        if last is not None and last.pools == pools and last.vhost_available == vhost_available:
+            changes = facts.changes_since(last.token)
+        if last is None or changes is None:
+            last = self._full(facts, pools, vhost_available)
+        else:
+            addresses, links = changes
+            affected = set(addresses)
+            for ifname in links:
+                affected |= last.link_users.get(ifname, set())
+            self._patch(last, facts, affected)
+            last.token = facts.token
+        self._last = last
+        return dict(last.devices)
+
+    def _full(self, facts: PciFacts, pools: tuple[ConfiguredPool, ...], vhost_available: bool) -> _Built:
+        built = _Built(pools=pools, token=facts.token, vhost_available=vhost_available)
+        fresh: dict[str, dict[str, DeviceInfo]] = {pool.resource: {} for pool in pools}
+        place = self._placer(facts, pools, vhost_available)
+        for device in facts.devices.values():
+            self._track_links(built, device)
+            placed = place(device)
+            if placed is not None:
+                resource, info = placed
+                built.placed[device.address] = resource
+                fresh[resource][device.address] = info
+        built.devices = {resource: MappingProxyType(devices) for resource, devices in fresh.items()}
+        return built
+
+    def _patch(self, built: _Built, facts: PciFacts, affected: set[str]) -> None:
+        place = self._placer(facts, built.pools, built.vhost_available)
+        touched: dict[str, dict[str, DeviceInfo]] = {}
+
+        def pool_for_edit(resource: str) -> dict[str, DeviceInfo]:
+            if resource not in touched:
+                touched[resource] = dict(built.devices[resource])
+            return touched[resource]
+
+        for address in affected:
+            old_resource = built.placed.pop(address, None)
+            if old_resource is not None:
+                pool_for_edit(old_resource).pop(address, None)
+            for users in built.link_users.values():
+                users.discard(address)
+            device = facts.devices.get(address)
+            if device is None:
+                continue
+            self._track_links(built, device)
+            placed = place(device)
+            if placed is not None:
+                resource, info = placed
+                built.placed[address] = resource
+                pool_for_edit(resource)[address] = info
+        for resource, devices in touched.items():
+            built.devices[resource] = MappingProxyType(devices)
+
+    @staticmethod
+    def _track_links(built: _Built, device: PciDevice) -> None:
+        for ifname in _depends_on(device):
+            built.link_users.setdefault(ifname, set()).add(device.address)
+
+    def _placer(
+        self, facts: PciFacts, pools: tuple[ConfiguredPool, ...], vhost_available: bool
+    ) -> Callable[[PciDevice], tuple[str, DeviceInfo] | None]:
+        ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
+
+        def place(device: PciDevice) -> tuple[str, DeviceInfo] | None:
+            for pool in pools:
+                spec: PciPoolSpec = pool.spec
+                if not eligible(device, spec.device_type):
+                    continue
+                for selector in spec.selectors:
+                    if selector.matches(device, ddp_profile):
+                        info = _device_info(device, pool, selector, facts, vhost_available)
+                        return None if info is None else (pool.resource, info)
+            return None
+
+        return place
+
+
+def _device_info(
+    device: PciDevice, pool: ConfiguredPool, selector: PciSelector, facts: PciFacts, vhost_available: bool
+) -> DeviceInfo | None:
+    if device.driver == "vfio-pci" and device.iommu_group is None:
+        log.warning("skipping %s in %s: bound to vfio-pci but has no iommu_group link", device.address,
+                    pool.resource, extra={"PCI_ADDR": device.address, "RESOURCE": pool.resource})
+        return None
+    specs, info, rdma_device = device_specs_and_info(
+        device,
+        is_rdma=selector.is_rdma,
+        need_vhost_net=selector.need_vhost_net,
+        vhost_available=vhost_available,
+        rdma_char_devices=facts.rdma_char_devices,
+        additional_info=pool.entry.additional_info,
+    )
+    spec: PciPoolSpec = pool.spec
+    numa = device.numa_node
+    return DeviceInfo(
+        health=health(device, facts.links, spec.check_health_on_pf),
+        numa_nodes=(numa,) if numa is not None and not pool.entry.exclude_topology else (),
+        specs=specs,
+        details=PciDetails(device=device, info=info, rdma_device=rdma_device),
+    )

@@ -1,0 +1,267 @@
+"""The real daemon reacting to events: hotplug through the uevent seam on a fake PCI host,
+config reloads, and real kernel devices (zram) with real uevents."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakesysfs import FakeHost
+from tests.kubelet import FakeKubelet
+
+PF = "0000:3b:00.0"
+
+
+def vf_address(index: int) -> str:
+    return f"0000:3b:{2 + index // 8:02x}.{index % 8}"
+
+
+class Seam:
+    """Sends uevents in the kernel's wire format to the daemon's ``unix:`` uevent socket."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def wait_ready(self, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.path.exists():
+            assert time.monotonic() < deadline, "the daemon never bound its uevent socket"
+            time.sleep(0.01)
+
+    def send(self, action: str, devpath: str, subsystem: str, **properties: str) -> None:
+        fields = {"ACTION": action, "DEVPATH": devpath, "SUBSYSTEM": subsystem, **properties}
+        payload = f"{action}@{devpath}\0".encode() + b"".join(f"{k}={v}\0".encode() for k, v in fields.items())
+        self.socket.sendto(payload, str(self.path))
+
+
+def create_vfs(host: FakeHost, seam: Seam | None, first: int, count: int, driver: str = "vfio-pci") -> list[str]:
+    """Make VFs ``first..first+count-1`` of PF in sysfs, then send their add uevents (when the
+    daemon runs: ``seam``)."""
+    pf_dir = host.device_dir(PF)
+    addresses = []
+    for index in range(first, first + count):
+        address = vf_address(index)
+        vf_dir = host.add_pci(address, device="154c", driver=None, numa_node=0, bridge=pf_dir.parent.name)
+        (vf_dir / "physfn").symlink_to(f"../{PF}")
+        (pf_dir / f"virtfn{index}").symlink_to(f"../{address}")
+        host.set_iommu_group(address, 200 + index)
+        host.bind(address, driver)
+        addresses.append(address)
+    (pf_dir / "sriov_numvfs").write_text(f"{first + count}\n")
+    for address in addresses if seam is not None else ():
+        seam.send("add", host.devpath(address), "pci", PCI_SLOT_NAME=address)
+    return addresses
+
+
+@pytest.fixture
+def seam(short_tmp: Path) -> Seam:
+    return Seam(short_tmp / "uevents.sock")
+
+
+VFIO_CONFIG = {"resourceList": [
+    {"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}},
+    {"resourceName": "kernel", "selectors": {"drivers": ["iavf"]}},
+]}
+
+
+def start(run_daemon, seam: Seam, config: dict = VFIO_CONFIG):
+    daemon = run_daemon(config, "--uevent-source", f"unix:{seam.path}")
+    seam.wait_ready()
+    return daemon
+
+
+def test_vfs_created_at_runtime_reach_the_kubelet(host, kubelet, run_daemon, seam):
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 2)  # present at start (no daemon yet)
+    start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/dpdk", 2)
+    added = create_vfs(host, seam, 2, 3)
+    state = kubelet.wait_for_devices("intel.com/dpdk", 5)
+    assert set(added) <= set(state.devices)
+    response = kubelet.allocate("intel.com/dpdk", [added[0]])
+    assert response.container_responses[0].envs["PCIDEVICE_INTEL_COM_DPDK"] == added[0]
+
+
+def test_vf_rebound_from_vfio_to_iavf_moves_to_the_kernel_pool(host, kubelet, run_daemon, seam):
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 3)
+    start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/dpdk", 3)
+    moved = vf_address(1)
+    host.unbind(moved)
+    seam.send("unbind", host.devpath(moved), "pci")
+    kubelet.wait_for_devices("intel.com/dpdk", 2)
+    host.bind(moved, "iavf")
+    host.add_netdev(moved, "ens1f0v1")
+    seam.send("add", host.devpath(moved, "net", "ens1f0v1"), "net", INTERFACE="ens1f0v1")
+    seam.send("bind", host.devpath(moved), "pci", DRIVER="iavf")
+    state = kubelet.wait_for_devices("intel.com/kernel", 1)
+    assert set(state.devices) == {moved}
+    assert moved not in kubelet.state("intel.com/dpdk").devices
+
+
+def test_removed_vf_leaves_the_list_and_allocate_refuses_it(host, kubelet, run_daemon, seam):
+    import grpc
+
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 3)
+    start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/dpdk", 3)
+    gone = vf_address(2)
+    devpath = host.devpath(gone)
+    (host.device_dir(PF) / "virtfn2").unlink()
+    host.remove_pci(gone)
+    seam.send("remove", devpath, "pci")
+    kubelet.wait_for_devices("intel.com/dpdk", 2)
+    with pytest.raises(grpc.RpcError) as refused:
+        kubelet.allocate("intel.com/dpdk", [gone])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_burst_of_256_vfs_becomes_a_few_messages(host, kubelet, run_daemon, seam):
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 1)
+    start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/dpdk", 1)
+    before = len(kubelet.state("intel.com/dpdk").messages)
+    create_vfs(host, seam, 1, 255)
+    state = kubelet.wait_for_devices("intel.com/dpdk", 256)
+    time.sleep(0.2)  # nothing more should follow the final list
+    messages = state.messages[before:]
+    assert len(messages[-1]) == 256
+    assert len(messages) <= 8, f"{len(messages)} ListAndWatch messages for one burst"
+    assert all(messages[i] != messages[i + 1] for i in range(len(messages) - 1))
+
+
+def test_garbage_uevents_are_logged_and_the_daemon_keeps_serving(host, kubelet, run_daemon, seam):
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 1)
+    daemon = start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/dpdk", 1)
+    seam.socket.sendto(b"\xff\xfe garbage", str(seam.path))
+    seam.send("add", "/devices/pci0000:00/0000:00:02.0/0000:3b:09.7", "pci")  # path that does not exist
+    seam.send("change", "/devices/virtual/net/nothing", "net")
+    create_vfs(host, seam, 1, 1)
+    kubelet.wait_for_devices("intel.com/dpdk", 2)
+    assert daemon.process.poll() is None
+    daemon.wait_for_log("devplugd.uevents")
+
+
+# -- config reload ---------------------------------------------------------------------------
+
+
+def test_sighup_reload_adds_withdraws_and_keeps_unchanged_streams(host, kubelet, run_daemon, seam, short_tmp):
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 4)
+    config = {"resourceList": [
+        {"resourceName": "stay", "selectors": {"pfNames": ["ens1f0#0-1"]}},
+        {"resourceName": "leave", "selectors": {"pfNames": ["ens1f0#2"]}},
+    ]}
+    daemon = start(run_daemon, seam, config)
+    kubelet.wait_for_devices("intel.com/stay", 2)
+    leave = kubelet.wait_for_devices("intel.com/leave", 1)
+    leave_socket = Path(leave.endpoint)
+    stay_messages = len(kubelet.state("intel.com/stay").messages)
+    config["resourceList"][1] = {"resourceName": "arrive", "selectors": {"pfNames": ["ens1f0#3"]}}
+    (short_tmp / "config-0.json").write_text(json.dumps(config))
+    daemon.process.send_signal(signal.SIGHUP)
+    kubelet.wait_for_devices("intel.com/arrive", 1)
+    kubelet.wait_for(lambda k: not k.state("intel.com/leave").connected, what="leave withdrawn")
+    assert not leave_socket.exists()
+    stay = kubelet.state("intel.com/stay")
+    assert stay.connected and stay.registrations == 1 and len(stay.messages) == stay_messages
+
+
+def test_a_broken_config_on_reload_keeps_the_old_one_served(host, kubelet, run_daemon, seam, short_tmp):
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 2)
+    daemon = start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/dpdk", 2)
+    (short_tmp / "config-0.json").write_text('{"resourceList": [{"resourceName": "x", "deviceType": "gpu"')
+    daemon.wait_for_log("config reload refused, still serving the previous config")
+    assert "not valid JSON" in daemon.log
+    create_vfs(host, seam, 2, 1)
+    kubelet.wait_for_devices("intel.com/dpdk", 3)
+    assert kubelet.state("intel.com/dpdk").connected
+
+
+def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam):
+    """A ConfigMap volume: config.json -> ..data/config.json, ..data -> ..<timestamp>."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 2)
+    volume = short_tmp / "cm"
+    (volume / "..v1").mkdir(parents=True)
+    (volume / "..v1" / "config.json").write_text(json.dumps(VFIO_CONFIG))
+    (volume / "..data").symlink_to("..v1")
+    (volume / "config.json").symlink_to("..data/config.json")
+    log_path = short_tmp / "cm.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "daemon", "run", "--config", str(volume / "config.json"),
+             "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
+             "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
+             "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", f"unix:{seam.path}"],
+            stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    try:
+        kubelet.wait_for_devices("intel.com/dpdk", 2)
+        renamed = {"resourceList": [{"resourceName": "dpdk_renamed", "selectors": {"drivers": ["vfio-pci"]}}]}
+        (volume / "..v2").mkdir()
+        (volume / "..v2" / "config.json").write_text(json.dumps(renamed))
+        (volume / "..data_tmp").symlink_to("..v2")
+        os.rename(volume / "..data_tmp", volume / "..data")  # the kubelet's atomic swap
+        kubelet.wait_for_devices("intel.com/dpdk_renamed", 2)
+        kubelet.wait_for(lambda k: not k.state("intel.com/dpdk").connected, what="old pool withdrawn")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(15) == 0, log_path.read_text()
+
+
+# -- real kernel devices ---------------------------------------------------------------------
+
+ZRAM_CONTROL = Path("/sys/class/zram-control")
+
+
+@pytest.fixture
+def zram_device():
+    """A zram block device made with hot_add (a real node and real uevents); removed after."""
+    created: list[int] = []
+
+    def add() -> int:
+        index = int((ZRAM_CONTROL / "hot_add").read_text())
+        created.append(index)
+        return index
+
+    def remove(index: int) -> None:
+        (ZRAM_CONTROL / "hot_remove").write_text(str(index))
+        created.remove(index)
+
+    yield add, remove
+    for index in created:
+        (ZRAM_CONTROL / "hot_remove").write_text(str(index))
+
+
+def test_real_zram_nodes_join_and_leave_a_devnode_pool(short_tmp, kubelet, run_daemon, zram_device):
+    add, remove = zram_device
+    first = add()  # the pool must have a device to be registered at all
+    config = {"resourceList": [{"resourceName": "zram", "resourcePrefix": "devices.example.com",
+                                "deviceType": "devNode", "selectors": {"paths": ["/dev/zram*"]}}]}
+    run_daemon(config, "--dev-root", "/dev", "--uevent-source", "kernel")
+    kubelet.wait_for(lambda k: f"zram{first}" in k.state("devices.example.com/zram").devices, what="first zram")
+    second = add()
+    kubelet.wait_for(lambda k: f"zram{second}" in k.state("devices.example.com/zram").devices, what="hot_add")
+    response = kubelet.allocate("devices.example.com/zram", [f"zram{second}"])
+    assert [d.host_path for d in response.container_responses[0].devices] == [f"/dev/zram{second}"]
+    remove(second)
+    kubelet.wait_for(lambda k: f"zram{second}" not in k.state("devices.example.com/zram").devices, what="hot_remove")
