@@ -63,8 +63,12 @@ class Handler(Protocol):
     tree depends on: facts go in, facts and devices come out."""
 
     name: ClassVar[str]
+    # the config ``deviceType`` values this handler serves
     device_types: ClassVar[frozenset[str]]
+    # the uevent subsystems it folds (an empty set: every subsystem)
     subsystems: ClassVar[frozenset[str]]
+    # whether rtnetlink link events (LinkChanged, LinkSnapshot) are folded into its facts
+    wants_links: ClassVar[bool]
 
     def parse_pool(self, entry: PoolEntry) -> Any:
         """Parse one ``resourceList`` entry of one of ``device_types``; raise ConfigError."""
@@ -75,7 +79,9 @@ class Handler(Protocol):
         ...
 
     def fold(self, facts: Any, event: Event) -> Any:
-        """Return facts updated by one event (facts unchanged when it does not concern us)."""
+        """Return facts updated by one event: the same object when it does not concern us, and a
+        full rescan for ``Resync`` (then it runs in a worker thread). The result must equal
+        what ``scan`` would give for the same host."""
         ...
 
     def build(self, facts: Any, pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
