@@ -10,7 +10,9 @@ its streams, stops its server and removes its socket, and the handlers clean the
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import time
 from pathlib import Path
 
 import trio
@@ -23,6 +25,7 @@ from daemon.core._notifier import Notifier
 from daemon.core._plugins import PluginManager
 from daemon.core._registry import HandlerLoadError, load_handlers, parser_table
 from daemon.core._settings import Settings
+from daemon.core._systemd import ServiceManager, status_line
 from daemon.kernel import Kernel
 from daemon.sources.inotify import InotifySource
 from daemon.sources.links import LinkSource
@@ -34,6 +37,8 @@ EXIT_OK = 0
 EXIT_BAD_CONFIG = 2
 EXIT_FAILURE = 1
 BUS_CAPACITY = 1024
+REGISTRATION_WAIT = 10.0
+TEST_HANG_ENV = "DEVPLUGD_TEST_HANG_SIGNAL"
 
 
 def handler_context(settings: Settings) -> HandlerContext:
@@ -84,27 +89,49 @@ def uevent_subsystems(handlers: dict[str, Handler]) -> frozenset[str]:
 
 
 async def _serve(settings: Settings, handlers: dict[str, Handler], config: DaemonConfig) -> None:
+    service = ServiceManager()
     async with trio_asyncio.open_loop():
         notifier = Notifier()
         _pools_started(handlers, config.pools)
         kernel: Kernel | None = None
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.keep_watchdog_fed, os.environ)
                 plugins = PluginManager(settings, notifier, handlers, nursery)
                 log.info("registration mode: %s", plugins.mode)
                 plugins.remove_stale_sockets()
                 send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
-                kernel = Kernel(handlers, config, notifier, plugins, lambda: load(settings)[1])
+                kernel = Kernel(handlers, config, notifier, plugins, lambda: load(settings)[1], service)
+
+                def report_status(_: object = None) -> None:
+                    service.status(status_line(notifier.tree, plugins.served_count, plugins.registered_count,
+                                               plugins.mode))
+
+                kernel.on_published = report_status
+                plugins.on_change = report_status
                 nursery.start_soon(kernel.run, receive_channel)
                 await _start_sources(nursery, settings, handlers, plugins.mode, send_channel)
                 # Sources listen before the first scan, so nothing that happens during it is lost.
                 await send_channel.send(Resync(None, "start"))
+                nursery.start_soon(_announce_ready, kernel, plugins, settings, service)
                 await _serve_signals(send_channel)
                 log.info("stopping")
+                service.stopping()
                 nursery.cancel_scope.cancel()
         finally:
             _pools_stopped(handlers, (kernel.config if kernel is not None else config).pools)
     log.info("stopped")
+
+
+async def _announce_ready(kernel: Kernel, plugins: PluginManager, settings: Settings, service: ServiceManager) -> None:
+    """READY=1 once the first tree is served and, when a kubelet is there, every pool registered
+    (waiting at most REGISTRATION_WAIT for a kubelet that does not answer: it is retried anyway)."""
+    await kernel.first_tree_published.wait()
+    wait_for_kubelet = plugins.mode == "kubelet" and settings.kubelet_socket.exists()
+    with trio.move_on_after(REGISTRATION_WAIT):
+        while not plugins.settled(registered=wait_for_kubelet):
+            await plugins.wait_changed()
+    service.ready()
 
 
 async def _start_sources(
@@ -125,12 +152,23 @@ async def _start_sources(
 
 
 async def _serve_signals(send_channel: trio.MemorySendChannel[Event]) -> None:
-    """SIGHUP reloads the config; return on SIGTERM or SIGINT."""
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    """SIGHUP reloads the config; return on SIGTERM or SIGINT.
+
+    Test-only: with ``DEVPLUGD_TEST_HANG_SIGNAL=1`` in the environment, SIGUSR2 wedges the event
+    loop (a blocking sleep inside it), so tests can prove the systemd watchdog restarts us.
+    """
+    watched = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+    hang_for_tests = os.environ.get(TEST_HANG_ENV) == "1"
+    if hang_for_tests:
+        watched.append(signal.SIGUSR2)
+    with trio.open_signal_receiver(*watched) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
                 await send_channel.send(ConfigChanged("SIGHUP"))
                 continue
+            if hang_for_tests and signum == signal.SIGUSR2:
+                log.warning("SIGUSR2 with %s=1: wedging the event loop on purpose", TEST_HANG_ENV)
+                time.sleep(365 * 24 * 3600)  # blocks the whole loop: no more watchdog pings
             log.info("received %s", signal.Signals(signum).name)
             return
 

@@ -40,6 +40,7 @@ from daemon.core import (
 from daemon.core._config import ConfigFileError, DaemonConfig
 from daemon.core._notifier import Notifier
 from daemon.core._plugins import PluginManager
+from daemon.core._systemd import ServiceManager
 from daemon.core._tree import DeviceTree
 
 log = logging.getLogger("devplugd.kernel")
@@ -59,7 +60,10 @@ class Kernel:
         notifier: Notifier,
         plugins: PluginManager,
         load_config: Callable[[], DaemonConfig],
+        service: ServiceManager | None = None,
     ) -> None:
+        self._service = service or ServiceManager()
+        self.on_published: Callable[[DeviceTree], None] = lambda tree: None
         self._handlers = handlers
         self._config = config
         self._notifier = notifier
@@ -140,6 +144,13 @@ class Kernel:
 
     def _reload(self, reasons: list[str]) -> bool:
         log.info("reloading the config (%s)", "; ".join(dict.fromkeys(reasons)), extra={"EVENT": "reload"})
+        self._service.reloading()
+        try:
+            return self._apply_config()
+        finally:
+            self._service.reloaded()
+
+    def _apply_config(self) -> bool:
         try:
             config = self._load_config()
         except ConfigFileError as error:
@@ -198,4 +209,5 @@ class Kernel:
                 log.info("%s: %d devices (%d healthy)", resource, len(pool.devices), pool.healthy_count,
                          extra={"RESOURCE": resource})
         self._plugins.sync(tree)
+        self.on_published(tree)
         self.first_tree_published.set()

@@ -20,6 +20,7 @@ import math
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,8 +116,16 @@ class ResourceEndpoint:
     """Serves one resource and keeps it registered. ``run`` is its whole life."""
 
     def __init__(
-        self, resource: str, handler_name: str, handler: Handler, notifier: Notifier, settings: Settings, mode: str
+        self,
+        resource: str,
+        handler_name: str,
+        handler: Handler,
+        notifier: Notifier,
+        settings: Settings,
+        mode: str,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
+        self._on_change = on_change
         self.resource = resource
         self.handler_name = handler_name
         self._handler = handler
@@ -149,6 +158,7 @@ class ResourceEndpoint:
         if registered:
             log.info("kubelet registered %s through plugins_registry", self.resource, extra={"RESOURCE": self.resource})
             self.registered = True
+            self._on_change()
         else:
             self.kick.registration_failed = error or "no reason given"
             self.kick.set()
@@ -176,6 +186,7 @@ class ResourceEndpoint:
                 continue
             self.socket_path = socket_path
             log.info("serving %s on %s", self.resource, socket_path, extra={"RESOURCE": self.resource})
+            self._on_change()
             try:
                 await self._hold(socket_path, servicer, backoff)
             finally:
@@ -185,6 +196,7 @@ class ResourceEndpoint:
                     await aio_as_trio(server.stop)(STOP_GRACE)
                     _unlink_if_socket(socket_path)
                     self.socket_path = None
+                    self._on_change()
 
     async def _hold(self, socket_path: Path, servicer: DevicePluginServicer, backoff: Backoff) -> None:
         """Register as the mode says, then return when this socket has to be replaced."""
@@ -230,6 +242,7 @@ class ResourceEndpoint:
             return trio.current_time() + delay
         backoff.reset()
         self.registered = True
+        self._on_change()
         log.info("registered %s with the kubelet (endpoint %s)", self.resource, socket_path.name,
                  extra={"RESOURCE": self.resource})
         return math.inf

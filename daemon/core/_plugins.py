@@ -8,7 +8,7 @@ leaves the config. Kubelet events are passed to every endpoint, which decides fo
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import trio
 
@@ -35,6 +35,8 @@ class PluginManager:
         self._nursery = nursery
         self.mode = settings.effective_registration()
         self._endpoints: dict[str, tuple[ResourceEndpoint, trio.CancelScope]] = {}
+        self._changed = trio.Event()
+        self.on_change: Callable[[], None] = lambda: None
 
     def remove_stale_sockets(self) -> None:
         directory = (
@@ -50,6 +52,30 @@ class PluginManager:
     def all_registered(self) -> bool:
         return all(endpoint.registered for endpoint, _ in self._endpoints.values())
 
+    @property
+    def served_count(self) -> int:
+        return sum(1 for endpoint, _ in self._endpoints.values() if endpoint.socket_path is not None)
+
+    @property
+    def registered_count(self) -> int:
+        return sum(1 for endpoint, _ in self._endpoints.values() if endpoint.registered)
+
+    def settled(self, *, registered: bool) -> bool:
+        """Every endpoint serving (and, with ``registered``, registered with the kubelet)."""
+        return all(
+            endpoint.socket_path is not None and (endpoint.registered or not registered)
+            for endpoint, _ in self._endpoints.values()
+        )
+
+    async def wait_changed(self) -> None:
+        """Until an endpoint starts or stops serving, or registers."""
+        await self._changed.wait()
+
+    def _endpoint_changed(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+        self.on_change()
+
     def sync(self, tree: DeviceTree) -> None:
         for resource, pool in tree.pools.items():
             current = self._endpoints.get(resource)
@@ -61,7 +87,8 @@ class PluginManager:
             if resource in self._endpoints or not pool.devices:
                 continue
             endpoint = ResourceEndpoint(
-                resource, pool.handler, self._handlers[pool.handler], self._notifier, self._settings, self.mode
+                resource, pool.handler, self._handlers[pool.handler], self._notifier, self._settings, self.mode,
+                self._endpoint_changed,
             )
             scope = trio.CancelScope()
             self._endpoints[resource] = (endpoint, scope)
@@ -70,6 +97,7 @@ class PluginManager:
             endpoint, scope = self._endpoints.pop(resource)
             log.info("withdrawing %s", resource, extra={"RESOURCE": resource})
             scope.cancel()
+            self._endpoint_changed()
 
     async def _run_endpoint(self, endpoint: ResourceEndpoint, scope: trio.CancelScope) -> None:
         with scope:

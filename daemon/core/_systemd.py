@@ -1,0 +1,90 @@
+"""systemd glue: readiness, status, reload and stop notices, and the watchdog.
+
+All through systemd-python's ``sd_notify`` (a no-op when ``NOTIFY_SOCKET`` is unset, so the
+daemon runs the same in a shell, a container or a unit):
+
+* ``READY=1`` once the first tree is served and, when a kubelet is there, every pool registered;
+* ``STATUS=`` a one-line summary (pools, devices, unhealthy, kubelet), kept current;
+* ``RELOADING=1`` then ``READY=1`` around a config reload; ``STOPPING=1`` on shutdown;
+* ``WATCHDOG=1`` every half ``WATCHDOG_USEC``, sent by a task of the event loop itself: a wedged
+  loop stops the pings and systemd restarts the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+import trio
+from systemd import daemon as sd_daemon
+
+from ._tree import HEALTHY, DeviceTree
+
+log = logging.getLogger("devplugd.systemd")
+
+
+def watchdog_interval(environ: Mapping[str, str]) -> float | None:
+    """Seconds between pings (half of ``WATCHDOG_USEC``), if the watchdog is meant for us."""
+    usec = environ.get("WATCHDOG_USEC", "")
+    pid = environ.get("WATCHDOG_PID", "")
+    if not usec.isdigit() or int(usec) == 0 or (pid and pid != str(os.getpid())):
+        return None
+    return int(usec) / 2_000_000
+
+
+def status_line(tree: DeviceTree, served: int, registered: int, mode: str) -> str:
+    devices = sum(len(pool.devices) for pool in tree.pools.values())
+    unhealthy = sum(1 for pool in tree.pools.values() for info in pool.devices.values() if info.health != HEALTHY)
+    if mode == "none":
+        kubelet = "not registering"
+    elif served == 0:
+        kubelet = "nothing to register"
+    elif registered == served:
+        kubelet = f"all {served} registered"
+    elif registered == 0:
+        kubelet = "not connected"
+    else:
+        kubelet = f"{registered} of {served} registered"
+    return f"{len(tree.pools)} pools, {devices} devices, {unhealthy} unhealthy; kubelet: {kubelet}"
+
+
+class ServiceManager:
+    """What systemd is told, and when. One per daemon."""
+
+    def __init__(self) -> None:
+        self._last_status = ""
+        self.ready_sent = False
+
+    @staticmethod
+    def _notify(state: str) -> None:
+        sd_daemon.notify(state)
+
+    def ready(self) -> None:
+        if not self.ready_sent:
+            log.info("ready", extra={"EVENT": "ready"})
+        self.ready_sent = True
+        self._notify("READY=1")
+
+    def reloading(self) -> None:
+        self._notify("RELOADING=1")
+
+    def reloaded(self) -> None:
+        self._notify("READY=1")
+
+    def stopping(self) -> None:
+        self._notify("STOPPING=1")
+
+    def status(self, line: str) -> None:
+        if line != self._last_status:
+            self._last_status = line
+            self._notify(f"STATUS={line}")
+
+    async def keep_watchdog_fed(self, environ: Mapping[str, str]) -> None:
+        interval = watchdog_interval(environ)
+        if interval is None:
+            return
+        log.info("watchdog: pinging every %.1fs", interval)
+        while True:
+            self._notify("WATCHDOG=1")
+            await trio.sleep(interval)

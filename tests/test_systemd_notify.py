@@ -1,0 +1,154 @@
+"""What the daemon tells systemd, read from a datagram socket standing in for NOTIFY_SOCKET."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.fakesysfs import FakeHost
+from tests.kubelet import FakeKubelet
+
+PF = "0000:3b:00.0"
+VFS = [f"0000:3b:02.{n}" for n in range(4)]
+CONFIG = '{"resourceList": [{"resourceName": "a", "selectors": {"pfNames": ["ens1f0#0-1"]}},' \
+         ' {"resourceName": "b", "selectors": {"pfNames": ["ens1f0#2-3"]}}]}'
+
+
+class NotifySocket:
+    """Reads every datagram at once in a thread, as systemd does: a unix datagram socket holds
+    only ``net.unix.max_dgram_qlen`` (10) unread messages before the sender blocks."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind(str(path))
+        self.messages: list[tuple[float, str]] = []
+        self._condition = threading.Condition()
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                data = self.socket.recv(4096)
+            except OSError:
+                return
+            with self._condition:
+                self.messages.append((time.monotonic(), data.decode()))
+                self._condition.notify_all()
+
+    def close(self) -> None:
+        self.socket.shutdown(socket.SHUT_RDWR)
+        self.socket.close()
+
+    def read_until(self, predicate, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        with self._condition:
+            while True:
+                for _, message in self.messages:
+                    if predicate(message):
+                        return message
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"no matching notification; got {self.messages}")
+                self._condition.wait(remaining)
+
+    def drain(self, seconds: float) -> list[str]:
+        """Everything that arrives in the next ``seconds``."""
+        with self._condition:
+            start = len(self.messages)
+        time.sleep(seconds)
+        with self._condition:
+            return [message for _, message in self.messages[start:]]
+
+
+@pytest.fixture
+def notify(short_tmp: Path) -> Iterator[NotifySocket]:
+    stand_in = NotifySocket(short_tmp / "notify.sock")
+    yield stand_in
+    stand_in.close()
+
+
+@pytest.fixture
+def start_daemon(short_tmp: Path, host: FakeHost, notify: NotifySocket) -> Iterator:
+    host.add_pf(PF, netdev="ens1f0")
+    host.add_vfs(PF, VFS, driver="vfio-pci", iommu_groups=[1, 2, 3, 4])
+    (short_tmp / "config.json").write_text(CONFIG)
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(**environment: str) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "daemon", "run", "--config", str(short_tmp / "config.json"),
+                   "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
+                   "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
+                   "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", "none"]
+        env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), **environment}
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                                   stderr=open(short_tmp / "daemon.log", "wb"))
+        processes.append(process)
+        return process
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_ready_comes_after_every_pool_is_registered_with_the_kubelet(kubelet, notify, start_daemon):
+    start_daemon()
+    notify.read_until(lambda m: m == "READY=1")
+    ready_at = next(t for t, m in notify.messages if m == "READY=1")
+    for resource in ("intel.com/a", "intel.com/b"):
+        state = kubelet.state(resource)
+        assert state.registrations == 1 and state.registered_at < ready_at
+    status = notify.read_until(lambda m: m.startswith("STATUS=") and "all 2 registered" in m)
+    assert status == "STATUS=2 pools, 4 devices, 0 unhealthy; kubelet: all 2 registered"
+
+
+def test_without_a_kubelet_ready_comes_once_serving(short_tmp, notify, start_daemon):
+    start_daemon()
+    notify.read_until(lambda m: m == "READY=1")
+    assert len(list((short_tmp / "device-plugins").glob("devplugd-*.sock"))) == 2
+    notify.read_until(lambda m: m == "STATUS=2 pools, 4 devices, 0 unhealthy; kubelet: not connected")
+
+
+def test_reload_is_bracketed_by_reloading_and_ready_and_stop_says_stopping(short_tmp, notify, start_daemon):
+    process = start_daemon()
+    notify.read_until(lambda m: m == "READY=1")
+    (short_tmp / "config.json").write_text(CONFIG.replace('"b"', '"c"'))
+    process.send_signal(signal.SIGHUP)
+    notify.read_until(lambda m: m == "RELOADING=1")
+    reloading_index = [m for _, m in notify.messages].index("RELOADING=1")
+    notify.read_until(lambda m: m == "READY=1" and [x for _, x in notify.messages].count("READY=1") >= 2)
+    assert [m for _, m in notify.messages][reloading_index:].count("READY=1") >= 1
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(15) == 0
+    notify.read_until(lambda m: m == "STOPPING=1")
+
+
+def test_watchdog_is_fed_by_the_event_loop_and_stops_when_it_wedges(notify, start_daemon):
+    process = start_daemon(WATCHDOG_USEC="200000", DEVPLUGD_TEST_HANG_SIGNAL="1")
+    notify.read_until(lambda m: m == "READY=1")
+    pings = [m for m in notify.drain(1.0) if m == "WATCHDOG=1"]
+    assert 6 <= len(pings) <= 14  # every 100 ms
+    process.send_signal(signal.SIGUSR2)
+    time.sleep(0.3)
+    notify.drain(0.1)
+    assert "WATCHDOG=1" not in notify.drain(1.0)
+    assert process.poll() is None  # wedged, not dead: systemd's watchdog is what ends it
+
+
+def test_no_watchdog_pings_unless_systemd_asks(notify, start_daemon):
+    start_daemon()
+    notify.read_until(lambda m: m == "READY=1")
+    assert "WATCHDOG=1" not in notify.drain(0.5)
