@@ -47,7 +47,34 @@ def _parser() -> argparse.ArgumentParser:
                           "needed), auto (udev when udevd runs, else kernel), none, or unix:PATH (a datagram "
                           "socket the daemon binds, fed in the kernel's wire format; for tests) "
                           "(default: %(default)s)")
+    run.add_argument("--control-socket", type=Path, default=DEFAULTS.control_socket,
+                     help="the host API's unix socket (default: %(default)s)")
+    run.add_argument("--control-group", default=None,
+                     help="group owning the control socket (mode 0660), so its members can use it")
+    run.add_argument("--cdi", action="store_true",
+                     help="also return CDI device names (cdi_devices) in the kubelet's Allocate answers")
     run.add_argument("--log-level", choices=LEVELS, default="info", help="(default: %(default)s)")
+
+    socket_help = f"the daemon's control socket (default: {DEFAULTS.control_socket})"
+    listing = commands.add_parser("list", help="every pool and device, with who holds each one")
+    listing.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    watch = commands.add_parser("watch", help="a snapshot, then one line per device added, removed or changed")
+    watch.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    allocate = commands.add_parser("allocate", help="lease devices of a resource to a local workload")
+    allocate.add_argument("resource")
+    allocate.add_argument("-n", "--count", type=int, default=1, help="how many devices (default: %(default)s)")
+    allocate.add_argument("--device", dest="devices", action="append", default=[], metavar="ID",
+                          help="a device to lease (repeat for more); overrides -n")
+    allocate.add_argument("--owner", help="who holds the lease (default: USER@HOSTNAME)")
+    allocate.add_argument("--numa-node", type=int, help="prefer devices on this NUMA node")
+    allocate.add_argument("-o", "--output", choices=("env", "json", "podman"), default="env",
+                          help="env: shell assignments; json: the lease; podman: --device arguments")
+    release = commands.add_parser("release", help="end a lease")
+    release.add_argument("lease")
+    leases = commands.add_parser("leases", help="the host leases in force")
+    leases.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    for sub in (listing, watch, allocate, release, leases):
+        sub.add_argument("--control-socket", type=Path, default=DEFAULTS.control_socket, help=socket_help)
 
     check = commands.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
     check.add_argument("path", type=Path)
@@ -57,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
+    if arguments.command in ("list", "watch", "allocate", "release", "leases"):
+        return _client_command(arguments)
     from daemon import app  # after argument parsing, so --help and --version stay fast
 
     if arguments.command == "check-config":
@@ -76,8 +105,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         cdi_dir=arguments.cdi_dir,
         state_dir=arguments.state_dir,
         uevent_source=arguments.uevent_source,
+        control_socket=arguments.control_socket,
+        control_group=arguments.control_group,
+        cdi_in_allocate=arguments.cdi,
     )
     return app.run(settings)
+
+
+def _client_command(arguments: argparse.Namespace) -> int:
+    from daemon import client
+
+    socket = arguments.control_socket
+    if arguments.command == "list":
+        return client.run_client(client.command_list, socket, arguments.output)
+    if arguments.command == "watch":
+        return client.run_client(client.command_watch, socket, arguments.output)
+    if arguments.command == "allocate":
+        return client.run_client(client.command_allocate, socket, arguments.resource, arguments.count,
+                                 arguments.devices, arguments.owner, arguments.numa_node, arguments.output)
+    if arguments.command == "release":
+        return client.run_client(client.command_release, socket, arguments.lease)
+    return client.run_client(client.command_leases, socket, arguments.output)
 
 
 def _check_config(path: Path, resource_prefix: str) -> int:

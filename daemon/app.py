@@ -18,7 +18,11 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
-from daemon.core import ConfigChanged, ConfiguredPool, Event, HandlerContext, PoolLifecycle, Resync
+from daemon.core import ConfigChanged, ConfiguredPool, Event, HandlerContext, LeasesChanged, PoolLifecycle, Resync
+from daemon.core._cdi import CdiWriter
+from daemon.core._host import HostServicer, serve_control_socket
+from daemon.core._leases import LeaseBook
+from daemon.core._tree import DeviceTree
 from daemon.core._config import ConfigFileError, DaemonConfig, load_config
 from daemon.core._handler import Handler
 from daemon.core._notifier import Notifier
@@ -90,6 +94,10 @@ def uevent_subsystems(handlers: dict[str, Handler]) -> frozenset[str]:
 
 async def _serve(settings: Settings, handlers: dict[str, Handler], config: DaemonConfig) -> None:
     service = ServiceManager()
+    leases = LeaseBook(settings.state_dir)
+    leases.load()
+    cdi = CdiWriter(settings.cdi_dir)
+    cdi.remove_all()
     async with trio_asyncio.open_loop():
         notifier = Notifier()
         _pools_started(handlers, config.pools)
@@ -101,15 +109,25 @@ async def _serve(settings: Settings, handlers: dict[str, Handler], config: Daemo
                 log.info("registration mode: %s", plugins.mode)
                 plugins.remove_stale_sockets()
                 send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
-                kernel = Kernel(handlers, config, notifier, plugins, lambda: load(settings)[1], service)
+                kernel = Kernel(handlers, config, notifier, plugins, lambda: load(settings)[1], service,
+                                leases.holders)
 
                 def report_status(_: object = None) -> None:
                     service.status(status_line(notifier.tree, plugins.served_count, plugins.registered_count,
                                                plugins.mode))
 
-                kernel.on_published = report_status
+                def published(tree: DeviceTree) -> None:
+                    cdi.update(tree)
+                    report_status()
+
+                kernel.on_published = published
                 plugins.on_change = report_status
                 nursery.start_soon(kernel.run, receive_channel)
+                host_api = HostServicer(
+                    notifier, handlers, leases, settings.device_plugin_dir,
+                    lambda: nursery.start_soon(send_channel.send, LeasesChanged("lease")),
+                )
+                await nursery.start(serve_control_socket, settings.control_socket, settings.control_group, host_api)
                 await _start_sources(nursery, settings, handlers, plugins.mode, send_channel)
                 # Sources listen before the first scan, so nothing that happens during it is lost.
                 await send_channel.send(Resync(None, "start"))
@@ -120,6 +138,7 @@ async def _serve(settings: Settings, handlers: dict[str, Handler], config: Daemo
                 nursery.cancel_scope.cancel()
         finally:
             _pools_stopped(handlers, (kernel.config if kernel is not None else config).pools)
+            cdi.remove_all()
     log.info("stopped")
 
 

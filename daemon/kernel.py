@@ -8,6 +8,8 @@ Everything waiting on the bus is handled as one batch, so a burst (256 VFs from 
   (an empty set means every subsystem); link events go to handlers that set ``wants_links``;
 * ``ConfigChanged`` reloads the config once per batch: validated first, and on error the old
   config keeps being served;
+* ``LeasesChanged`` (a host lease granted or released) only asks for a new tree: leased devices
+  leave the kubelet's lists;
 * kubelet events go to the plugin servers.
 
 Then every handler builds its pools from its facts, the core assembles an immutable DeviceTree,
@@ -29,6 +31,7 @@ from daemon.core import (
     Event,
     Handler,
     KubeletSocketCreated,
+    LeasesChanged,
     LinkChanged,
     LinkSnapshot,
     PluginSocketRemoved,
@@ -61,7 +64,9 @@ class Kernel:
         plugins: PluginManager,
         load_config: Callable[[], DaemonConfig],
         service: ServiceManager | None = None,
+        lease_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
     ) -> None:
+        self._lease_holders = lease_holders
         self._service = service or ServiceManager()
         self.on_published: Callable[[DeviceTree], None] = lambda tree: None
         self._handlers = handlers
@@ -107,6 +112,8 @@ class Kernel:
                         changed |= self._fold(name, event)
             elif isinstance(event, ConfigChanged):
                 reload_reasons.append(event.reason)
+            elif isinstance(event, LeasesChanged):
+                changed = True
             elif isinstance(event, KubeletSocketCreated):
                 self._plugins.kubelet_started()
             elif isinstance(event, PluginSocketRemoved):
@@ -179,6 +186,7 @@ class Kernel:
 
     def _publish(self) -> None:
         previous = self._notifier.tree
+        holders = self._lease_holders()
         pools: list[ResourcePool] = []
         for name, handler in self._handlers.items():
             configured = self._config.pools_of(name)
@@ -191,16 +199,18 @@ class Kernel:
                 pools.extend(previous.pools[p.resource] for p in configured if p.resource in previous.pools)
                 continue
             for pool_config in configured:
-                devices = built.get(pool_config.resource, {})
-                old = previous.pools.get(pool_config.resource)
-                if old is not None and old.pool_config is pool_config and (
+                resource = pool_config.resource
+                devices = built.get(resource, {})
+                leased = frozenset(d for (r, d) in holders if r == resource and d in devices) if holders else frozenset()
+                old = previous.pools.get(resource)
+                if old is not None and old.pool_config is pool_config and old.leased == leased and (
                     old.devices is devices or old.devices == devices
                 ):
                     pools.append(old)  # unchanged: keep the same object (and its cached listing)
                 else:
                     if not isinstance(devices, MappingProxyType):
                         devices = MappingProxyType(dict(devices))  # the tree never shares a mutable map
-                    pools.append(ResourcePool(pool_config.resource, name, pool_config, devices))
+                    pools.append(ResourcePool(resource, name, pool_config, devices, leased))
         tree = DeviceTree.build(previous.version + 1, pools)
         changed = self._notifier.publish(tree)
         for resource in sorted(changed):

@@ -93,6 +93,8 @@ def run_daemon(short_tmp: Path, host: FakeHost) -> Iterator[Callable[..., Daemon
             "--device-plugin-dir", str(short_tmp / "device-plugins"),
             "--plugins-registry-dir", str(short_tmp / "plugins_registry"),
             "--devinfo-dir", str(short_tmp / "devinfo"),
+            "--control-socket", str(short_tmp / "control.sock"), "--cdi-dir", str(short_tmp / "cdi"),
+            "--state-dir", str(short_tmp / "state"),
             "--registration", registration, "--log-level", "debug", *extra,
         ]
         with open(log_path, "wb") as log_file:

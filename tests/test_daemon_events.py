@@ -212,7 +212,8 @@ def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam
             [sys.executable, "-m", "daemon", "run", "--config", str(volume / "config.json"),
              "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
              "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
-             "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", f"unix:{seam.path}"],
+             "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", f"unix:{seam.path}", "--control-socket", str(short_tmp / "control.sock"),
+                   "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")],
             stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     try:
         kubelet.wait_for_devices("intel.com/dpdk", 2)

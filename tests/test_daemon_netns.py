@@ -55,7 +55,8 @@ def daemon_in(short_tmp: Path, host: FakeHost) -> Iterator:
         command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "daemon", "run",
                    "--config", str(config_path), "--sysfs-root", str(host.sys), "--dev-root", str(host.dev),
                    "--proc-root", str(host.proc), "--device-plugin-dir", str(short_tmp / "device-plugins"),
-                   "--devinfo-dir", str(short_tmp / "devinfo"), "--registration", "kubelet", *extra]
+                   "--devinfo-dir", str(short_tmp / "devinfo"), "--registration", "kubelet", *extra, "--control-socket", str(short_tmp / "control.sock"),
+                   "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")]
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})

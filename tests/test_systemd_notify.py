@@ -90,7 +90,8 @@ def start_daemon(short_tmp: Path, host: FakeHost, notify: NotifySocket) -> Itera
         command = [sys.executable, "-m", "daemon", "run", "--config", str(short_tmp / "config.json"),
                    "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
                    "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
-                   "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", "none"]
+                   "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", "none", "--control-socket", str(short_tmp / "control.sock"),
+                   "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")]
         env = {**os.environ, "NOTIFY_SOCKET": str(notify.path), **environment}
         process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
                                    stderr=open(short_tmp / "daemon.log", "wb"))

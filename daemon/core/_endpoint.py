@@ -168,7 +168,7 @@ class ResourceEndpoint:
         while True:
             socket_path = self._next_socket_path()
             self.kick.clear()
-            servicer = DevicePluginServicer(self.resource, self._handler, self._notifier)
+            servicer = DevicePluginServicer(self.resource, self._handler, self._notifier, self._settings.cdi_in_allocate)
             registration = (
                 WatcherRegistrationServicer(self.resource, self._registration_status)
                 if self._mode == "watcher"

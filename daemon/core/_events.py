@@ -90,6 +90,14 @@ class ConfigChanged:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class LeasesChanged:
+    """A host lease was granted or released: the kubelet's lists must follow."""
+
+    reason: str
+
+
 Event = (
     Resync | KubeletSocketCreated | PluginSocketRemoved | UEvent | LinkChanged | LinkSnapshot | ConfigChanged
+    | LeasesChanged
 )

@@ -53,6 +53,15 @@ class Notifier:
     def __init__(self) -> None:
         self._tree = DeviceTree.empty()
         self._subscribers: dict[str, set[Subscriber]] = {}
+        self._tree_subscribers: list[Callable[[DeviceTree], None]] = []
+
+    def subscribe_trees(self, offer: Callable[[DeviceTree], None]) -> None:
+        """Offer every new tree to ``offer`` (host watch streams: they diff trees themselves)."""
+        self._tree_subscribers.append(offer)
+
+    def unsubscribe_trees(self, offer: Callable[[DeviceTree], None]) -> None:
+        if offer in self._tree_subscribers:
+            self._tree_subscribers.remove(offer)
 
     @property
     def tree(self) -> DeviceTree:
@@ -81,4 +90,6 @@ class Notifier:
             pool = tree.pools.get(resource)
             for subscriber in tuple(self._subscribers.get(resource, ())):
                 subscriber.offer(pool)
+        for offer in tuple(self._tree_subscribers):
+            offer(tree)
         return changed

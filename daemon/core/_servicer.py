@@ -19,6 +19,7 @@ from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
+from ._cdi import cdi_names
 from ._handler import (
     AllocationError,
     Allocator,
@@ -109,7 +110,7 @@ def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequen
     duplicates = [i for i in device_ids if i in seen or seen.add(i)]  # type: ignore[func-returns-value]
     if duplicates:
         return f"device IDs requested more than once for {resource}: {_name_ids(duplicates)}"
-    unknown = [i for i in device_ids if i not in pool.devices]
+    unknown = [i for i in device_ids if i not in pool.devices or i in pool.leased]
     if unknown:
         return f"unknown device IDs for {resource}: {_name_ids(unknown)}"
     unhealthy = [i for i in device_ids if pool.devices[i].health != HEALTHY]
@@ -152,7 +153,8 @@ def container_response(allocation: ContainerAllocation) -> dp.ContainerAllocateR
 class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     """DevicePlugin for one resource, reading the notifier's current tree."""
 
-    def __init__(self, resource: str, handler: Handler, notifier: Notifier) -> None:
+    def __init__(self, resource: str, handler: Handler, notifier: Notifier, with_cdi: bool = False) -> None:
+        self._with_cdi = with_cdi
         self.resource = resource
         self._handler = handler
         self._notifier = notifier
@@ -218,6 +220,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                 raise AssertionError  # abort raises; this keeps type checkers honest
             try:
                 allocation = allocate_container(self._handler, pool, device_ids)
+                if self._with_cdi:
+                    allocation.cdi_devices.extend(cdi_names(self.resource, device_ids))
             except (AllocationError, OSError) as error:
                 log.error("Allocate failed for %s: %s", self.resource, error, extra={"RESOURCE": self.resource})
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")

@@ -23,6 +23,9 @@ class Settings:
     cdi_dir: Path = Path("/var/run/cdi")
     state_dir: Path = Path("/var/lib/devplugd")
     uevent_source: str = "auto"
+    control_socket: Path = Path("/run/devplugd/control.sock")
+    control_group: str | None = None
+    cdi_in_allocate: bool = False
     register_timeout: float = 20.0
 
     @property

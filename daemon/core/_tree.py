@@ -65,22 +65,26 @@ Listing = tuple[tuple[str, str, tuple[int, ...]], ...]
 
 @dataclass(frozen=True)
 class ResourcePool:
-    """One resource as the kubelet sees it: its handler, its options and its devices by ID.
+    """One resource: its handler, its pool config and its devices by ID.
 
-    ``pool_config`` is the handler's parsed pool entry (opaque to the core).
+    ``pool_config`` is the handler's parsed pool entry (opaque to the core). ``leased`` are the
+    devices under a host lease: they stay in ``devices`` but the kubelet does not see them.
     """
 
     resource: str
     handler: str
     pool_config: Any
     devices: Mapping[str, DeviceInfo]
+    leased: frozenset[str] = frozenset()
 
     @cached_property
     def listing(self) -> Listing:
-        """What a ListAndWatch message carries: (ID, health, NUMA nodes), sorted by ID."""
+        """What a ListAndWatch message carries: (ID, health, NUMA nodes), sorted by ID, without
+        the devices under a host lease."""
         return tuple(
             (device_id, info.health, info.numa_nodes)
             for device_id, info in sorted(self.devices.items())
+            if device_id not in self.leased
         )
 
     @property

@@ -1,0 +1,160 @@
+"""The host-side commands: ``devplugd list|watch|allocate|release|leases`` over the control socket.
+
+Human tables by default, JSON for scripts. Exit codes: 0 done; 1 refused by the daemon (the
+reason on stderr); 3 the daemon is not running (nothing listens on the control socket).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from daemon._generated.devplugd.host.v1 import host_pb2 as host
+from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
+from daemon.core._host import describe_lease
+
+EXIT_OK = 0
+EXIT_REFUSED = 1
+EXIT_NOT_RUNNING = 3
+TIMEOUT = 30.0
+DELTA_KINDS = {host.Delta.ADDED: "added", host.Delta.REMOVED: "removed", host.Delta.CHANGED: "changed"}
+
+
+class NotRunning(Exception):
+    pass
+
+
+def _stub(control_socket: Path) -> tuple[grpc.Channel, host_grpc.HostStub]:
+    if not control_socket.exists():
+        raise NotRunning(f"devplugd is not running: no control socket at {control_socket}")
+    channel = grpc.insecure_channel(f"unix://{control_socket}")
+    return channel, host_grpc.HostStub(channel)
+
+
+def _device_json(device: host.Device) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": device.id, "health": device.health, "holder": device.holder,
+                             "numa_nodes": list(device.numa_nodes)}
+    if device.lease:
+        entry["lease"] = device.lease
+    if device.owner:
+        entry["owner"] = device.owner
+    return entry
+
+
+def _print_table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def command_list(control_socket: Path, output: str) -> int:
+    channel, stub = _stub(control_socket)
+    with channel:
+        response = stub.List(host.ListRequest(), timeout=TIMEOUT)
+    pools = [{"resource": p.resource, "devices": [_device_json(d) for d in p.devices]} for p in response.pools]
+    if output == "json":
+        print(json.dumps(pools, indent=1))
+        return EXIT_OK
+    rows = [[p["resource"], d["id"], d["health"], ",".join(map(str, d["numa_nodes"])) or "-",
+             d["holder"] + (f" {d.get('lease', '')} {d.get('owner', '')}".rstrip() if d["holder"] != "free" else "")]
+            for p in pools for d in p["devices"]]
+    _print_table(rows, ["RESOURCE", "DEVICE", "HEALTH", "NUMA", "HOLDER"])
+    return EXIT_OK
+
+
+def _watch_events(control_socket: Path) -> Iterator[host.WatchEvent]:
+    channel, stub = _stub(control_socket)
+    with channel:
+        yield from stub.Watch(host.WatchRequest())
+
+
+def command_watch(control_socket: Path, output: str) -> int:
+    try:
+        for event in _watch_events(control_socket):
+            if event.HasField("snapshot"):
+                line = {"version": event.version, "kind": "snapshot",
+                        "pools": [{"resource": p.resource, "devices": [_device_json(d) for d in p.devices]}
+                                  for p in event.snapshot.pools]}
+                text = f"v{event.version} snapshot: " + ", ".join(
+                    f"{p['resource']} ({len(p['devices'])})" for p in line["pools"])
+            else:
+                delta = event.delta
+                line = {"version": event.version, "kind": DELTA_KINDS.get(delta.kind, "unknown"),
+                        "resource": delta.resource, "device": _device_json(delta.device)}
+                text = (f"v{event.version} {line['kind']} {delta.resource} {delta.device.id} "
+                        f"{delta.device.health} {delta.device.holder}")
+            print(json.dumps(line) if output == "json" else text, flush=True)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    return EXIT_OK
+
+
+def command_allocate(control_socket: Path, resource: str, count: int, device_ids: list[str], owner: str | None,
+                     numa_node: int | None, output: str) -> int:
+    request = host.AllocateRequest(resource=resource, count=count if not device_ids else 0, device_ids=device_ids,
+                                   owner=owner or default_owner())
+    if numa_node is not None:
+        request.numa_node = numa_node
+    channel, stub = _stub(control_socket)
+    with channel:
+        lease = stub.Allocate(request, timeout=TIMEOUT)
+    described = describe_lease(lease)
+    if output == "json":
+        print(json.dumps(described, indent=1))
+    elif output == "podman":
+        arguments = [f"--device={name}" for name in lease.cdi_devices] or [
+            f"--device={s.host_path}:{s.container_path}:{s.permissions}" for s in lease.device_specs]
+        print(" ".join(arguments))
+    else:
+        print(f"DEVPLUGD_LEASE={lease.lease}")
+        for key, value in sorted(lease.envs.items()):
+            print(f"{key}={value}")
+    return EXIT_OK
+
+
+def command_release(control_socket: Path, lease: str) -> int:
+    channel, stub = _stub(control_socket)
+    with channel:
+        stub.Release(host.ReleaseRequest(lease=lease), timeout=TIMEOUT)
+    return EXIT_OK
+
+
+def command_leases(control_socket: Path, output: str) -> int:
+    channel, stub = _stub(control_socket)
+    with channel:
+        response = stub.Leases(host.LeasesRequest(), timeout=TIMEOUT)
+    leases = [describe_lease(lease) for lease in response.leases]
+    if output == "json":
+        print(json.dumps(leases, indent=1))
+        return EXIT_OK
+    _print_table([[x["lease"], x["resource"], x["owner"], ",".join(x["devices"]),
+                   ("missing: " + ",".join(x["missing_devices"])) if x["missing_devices"] else ""] for x in leases],
+                 ["LEASE", "RESOURCE", "OWNER", "DEVICES", ""])
+    return EXIT_OK
+
+
+def default_owner() -> str:
+    return f"{os.environ.get('SUDO_USER') or os.environ.get('USER') or 'root'}@{socket.gethostname()}"
+
+
+def run_client(function: Any, *arguments: Any) -> int:
+    """Run a command; turn a refusal or an absent daemon into a message on stderr and an exit code."""
+    try:
+        return int(function(*arguments))
+    except NotRunning as error:
+        print(f"devplugd: {error}", file=sys.stderr)
+        return EXIT_NOT_RUNNING
+    except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            print(f"devplugd: the daemon is not running (its control socket does not answer): {error.details()}",
+                  file=sys.stderr)
+            return EXIT_NOT_RUNNING
+        print(f"devplugd: {error.details()}", file=sys.stderr)
+        return EXIT_REFUSED

@@ -1,0 +1,292 @@
+"""The host API (``devplugd.host.v1.Host``) on the control socket: the devices for workloads
+that are not pods.
+
+``List`` shows every pool and who holds each device (free, a host lease, or a pod according to
+the kubelet's checkpoint, read only). ``Watch`` sends a snapshot, then one delta per device
+added, removed or changed, each stamped with the tree version; it diffs the last tree the client
+was sent against the newest one, so a slow client is conflated, never wrong. ``Allocate`` grants
+a lease with the same answer a kubelet Allocate gets, written to disk before it is returned;
+leased devices leave the kubelet's lists. All of it runs on the event loop's one thread, and a
+grant is synchronous from choice to file, so two clients can never get the same device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from daemon._generated.devplugd.host.v1 import host_pb2 as host
+from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
+
+from ._cdi import cdi_names
+from ._handler import AllocationError, Handler
+from ._leases import Lease, LeaseBook, LeaseError
+from ._notifier import LatestValue, Notifier
+from ._servicer import allocate_container
+from ._tree import HEALTHY, DeviceTree, ResourcePool
+
+log = logging.getLogger("devplugd.host")
+
+CHECKPOINT_NAME = "kubelet_internal_checkpoint"
+MAX_COUNT = 65536
+
+
+def kubelet_allocations(device_plugin_dir: Path) -> dict[tuple[str, str], str]:
+    """(resource, device ID) -> ``pod <uid>/<container>`` from the kubelet's checkpoint."""
+    try:
+        document = json.loads((device_plugin_dir / CHECKPOINT_NAME).read_text())
+        entries = document["Data"]["PodDeviceEntries"] or []
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning("cannot read the kubelet checkpoint in %s: %s", device_plugin_dir, error)
+        return {}
+    held: dict[tuple[str, str], str] = {}
+    for entry in entries:
+        try:
+            owner = f"pod {entry['PodUID']}/{entry['ContainerName']}"
+            ids = entry["DeviceIDs"]
+            flat = [i for group in ids.values() for i in group] if isinstance(ids, dict) else list(ids)
+            for device_id in flat:
+                held[(entry["ResourceName"], device_id)] = owner
+        except (KeyError, TypeError, AttributeError):
+            continue
+    return held
+
+
+class HostServicer(host_grpc.HostServicer):
+    def __init__(
+        self,
+        notifier: Notifier,
+        handlers: Mapping[str, Handler],
+        leases: LeaseBook,
+        device_plugin_dir: Path,
+        leases_changed: Callable[[], None],
+        with_cdi: bool = True,
+    ) -> None:
+        self._notifier = notifier
+        self._handlers = handlers
+        self._leases = leases
+        self._device_plugin_dir = device_plugin_dir
+        self._leases_changed = leases_changed
+        self._with_cdi = with_cdi
+
+    # -- reading ---------------------------------------------------------------------------------
+    def _device(self, pool: ResourcePool, device_id: str, kubelet: Mapping[tuple[str, str], str]) -> host.Device:
+        info = pool.devices[device_id]
+        device = host.Device(id=device_id, health=info.health, numa_nodes=info.numa_nodes, holder="free")
+        lease = self._leases.holders().get((pool.resource, device_id))
+        if lease is not None:
+            device.holder, device.lease, device.owner = "lease", lease.lease, lease.owner
+        elif (pool.resource, device_id) in kubelet:
+            device.holder, device.owner = "kubelet", kubelet[(pool.resource, device_id)]
+        return device
+
+    def _snapshot(self, tree: DeviceTree) -> host.ListResponse:
+        kubelet = kubelet_allocations(self._device_plugin_dir)
+        return host.ListResponse(version=tree.version, pools=[
+            host.Pool(resource=resource, devices=[self._device(pool, i, kubelet) for i in sorted(pool.devices)])
+            for resource, pool in sorted(tree.pools.items())
+        ])
+
+    async def List(self, request: host.ListRequest, context: grpc.aio.ServicerContext) -> host.ListResponse:
+        return self._snapshot(self._notifier.tree)
+
+    async def Watch(self, request: host.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[host.WatchEvent]:
+        wakeup = asyncio.Event()
+        latest: LatestValue[DeviceTree] = LatestValue(wakeup.set)
+        self._notifier.subscribe_trees(latest.put)
+        try:
+            sent = self._notifier.tree
+            yield host.WatchEvent(version=sent.version, snapshot=self._snapshot(sent))
+            while True:
+                await wakeup.wait()
+                wakeup.clear()
+                full, tree = latest.take()
+                if not full or tree is None:
+                    continue
+                for event in self._deltas(sent, tree):
+                    yield event
+                sent = tree
+        finally:
+            self._notifier.unsubscribe_trees(latest.put)
+
+    def _deltas(self, old: DeviceTree, new: DeviceTree) -> list[host.WatchEvent]:
+        kubelet = kubelet_allocations(self._device_plugin_dir)
+        events = []
+        for resource in sorted(old.pools.keys() | new.pools.keys()):
+            before, after = old.pools.get(resource), new.pools.get(resource)
+            if before is after:
+                continue
+            old_devices = before.devices if before is not None else {}
+            new_devices = after.devices if after is not None else {}
+            for device_id in sorted(old_devices.keys() | new_devices.keys()):
+                if device_id not in new_devices:
+                    kind, pool = host.Delta.REMOVED, before
+                elif device_id not in old_devices:
+                    kind, pool = host.Delta.ADDED, after
+                elif old_devices[device_id] != new_devices[device_id] or (
+                    (device_id in before.leased) != (device_id in after.leased)  # type: ignore[union-attr]
+                ):
+                    kind, pool = host.Delta.CHANGED, after
+                else:
+                    continue
+                assert pool is not None
+                delta = host.Delta(kind=kind, resource=resource, device=self._device(pool, device_id, kubelet))
+                events.append(host.WatchEvent(version=new.version, delta=delta))
+        return events
+
+    async def Leases(self, request: host.LeasesRequest, context: grpc.aio.ServicerContext) -> host.LeasesResponse:
+        tree = self._notifier.tree
+        return host.LeasesResponse(leases=[self._lease_message(lease, tree) for lease in
+                                           sorted(self._leases.leases.values(), key=lambda x: x.created)])
+
+    @staticmethod
+    def _lease_message(lease: Lease, tree: DeviceTree) -> host.Lease:
+        pool = tree.pools.get(lease.resource)
+        missing = [d for d in lease.devices if pool is None or d not in pool.devices]
+        return host.Lease(
+            lease=lease.lease, resource=lease.resource, owner=lease.owner, devices=lease.devices,
+            envs=lease.envs, annotations=lease.annotations, cdi_devices=lease.cdi_devices,
+            created=lease.created, missing_devices=missing,
+            device_specs=[host.DeviceSpec(container_path=s.container_path, host_path=s.host_path,
+                                          permissions=s.permissions) for s in lease.specs],
+            mounts=[host.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+                    for m in lease.mounts],
+        )
+
+    # -- granting --------------------------------------------------------------------------------
+    def _choose(self, pool: ResourcePool, request: host.AllocateRequest) -> list[str]:
+        holders = self._leases.holders()
+        kubelet = kubelet_allocations(self._device_plugin_dir)
+
+        def held_by(device_id: str) -> str | None:
+            lease = holders.get((pool.resource, device_id))
+            if lease is not None:
+                return f"host lease {lease.lease} (owner {lease.owner})"
+            owner = kubelet.get((pool.resource, device_id))
+            return f"the kubelet ({owner})" if owner else None
+
+        if request.device_ids:
+            chosen = list(dict.fromkeys(request.device_ids))
+            if len(chosen) != len(request.device_ids):
+                raise LeaseError("a device ID is requested more than once")
+            for device_id in chosen:
+                if device_id not in pool.devices:
+                    raise LeaseError(f"device {device_id!r} is not in {pool.resource}")
+                if pool.devices[device_id].health != HEALTHY:
+                    raise LeaseError(f"device {device_id!r} of {pool.resource} is {pool.devices[device_id].health}")
+                if (holder := held_by(device_id)) is not None:
+                    raise LeaseError(f"device {device_id!r} of {pool.resource} is held by {holder}")
+            return chosen
+        if not 1 <= request.count <= MAX_COUNT:
+            raise LeaseError("ask for a count of at least 1 or name the devices")
+        free = [i for i in sorted(pool.devices) if pool.devices[i].health == HEALTHY and held_by(i) is None]
+        if request.HasField("numa_node"):
+            free.sort(key=lambda i: request.numa_node not in pool.devices[i].numa_nodes)
+        if len(free) < request.count:
+            raise LeaseError(f"{request.count} devices of {pool.resource} requested, {len(free)} free")
+        return free[: request.count]
+
+    async def Allocate(self, request: host.AllocateRequest, context: grpc.aio.ServicerContext) -> host.Lease:
+        tree = self._notifier.tree
+        pool = tree.pools.get(request.resource)
+        if pool is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no resource {request.resource!r}")
+            raise AssertionError
+        if not request.owner:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an owner name is required")
+        try:
+            chosen = self._choose(pool, request)
+            allocation = allocate_container(self._handlers[pool.handler], pool, chosen)
+            if self._with_cdi:
+                allocation.cdi_devices.extend(cdi_names(pool.resource, chosen))
+            lease = Lease.grant(pool.resource, request.owner, chosen, allocation)
+            self._leases.add(lease)  # on disk before anyone hears of it
+        except LeaseError as error:
+            log.warning("refused lease of %s to %s: %s", request.resource, request.owner, error,
+                        extra={"RESOURCE": request.resource})
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "free" in str(error) else grpc.StatusCode.FAILED_PRECONDITION
+            await context.abort(code, str(error))
+            raise AssertionError from error
+        except (AllocationError, OSError) as error:
+            log.error("lease of %s failed: %s", request.resource, error, extra={"RESOURCE": request.resource})
+            await context.abort(grpc.StatusCode.INTERNAL, f"lease failed: {error}")
+            raise AssertionError from error
+        log.info("leased %s of %s to %s as %s", ",".join(chosen), pool.resource, request.owner, lease.lease,
+                 extra={"RESOURCE": pool.resource, "EVENT": "lease"})
+        self._leases_changed()
+        return self._lease_message(lease, tree)
+
+    async def Release(self, request: host.ReleaseRequest, context: grpc.aio.ServicerContext) -> host.ReleaseResponse:
+        try:
+            lease = self._leases.remove(request.lease)
+        except LeaseError as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{error} (never granted, or already released)")
+            raise AssertionError from error
+        log.info("released %s (%s of %s, owner %s)", lease.lease, ",".join(lease.devices), lease.resource,
+                 lease.owner, extra={"RESOURCE": lease.resource, "EVENT": "release"})
+        self._leases_changed()
+        return host.ReleaseResponse()
+
+
+def describe_lease(lease: host.Lease) -> dict[str, Any]:
+    """The JSON shape of a lease that scripts rely on (``allocate -o json``, ``leases -o json``)."""
+    return {
+        "lease": lease.lease, "resource": lease.resource, "owner": lease.owner, "devices": list(lease.devices),
+        "envs": dict(lease.envs), "cdi_devices": list(lease.cdi_devices),
+        "device_specs": [{"container_path": s.container_path, "host_path": s.host_path,
+                          "permissions": s.permissions} for s in lease.device_specs],
+        "mounts": [{"container_path": m.container_path, "host_path": m.host_path, "read_only": m.read_only}
+                   for m in lease.mounts],
+        "annotations": dict(lease.annotations), "created": lease.created,
+        "missing_devices": list(lease.missing_devices),
+    }
+
+
+async def _start_control_server(socket_path: str, servicer: HostServicer) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    host_grpc.add_HostServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"unix://{socket_path}") == 0:
+        raise OSError(f"cannot listen on {socket_path}")
+    await server.start()
+    return server
+
+
+async def serve_control_socket(
+    socket_path: Path, group: str | None, servicer: HostServicer, *, task_status: Any = None
+) -> None:
+    """Serve the host API on ``socket_path`` (mode 0660, owned by ``group`` when given) until
+    cancelled; the socket is removed on the way out."""
+    import os
+    import shutil
+    import stat
+
+    import trio
+    from trio_asyncio import aio_as_trio
+
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+            socket_path.unlink()
+    except FileNotFoundError:
+        pass
+    server = await aio_as_trio(_start_control_server)(str(socket_path), servicer)
+    os.chmod(socket_path, 0o660)
+    if group:
+        shutil.chown(socket_path, group=group)
+    log.info("host API on %s", socket_path)
+    if task_status is not None:
+        task_status.started()
+    try:
+        await trio.sleep_forever()
+    finally:
+        with trio.CancelScope(shield=True):
+            await aio_as_trio(server.stop)(0.2)
+            socket_path.unlink(missing_ok=True)
