@@ -1,0 +1,234 @@
+"""The host API and its CLI against the real daemon: inventory, leases that survive anything,
+leased devices hidden from the kubelet, refusals with reasons, and Watch deltas that add up."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT, daemon_command
+from tests.fakesysfs import FakeHost
+from tests.test_daemon_events import Seam, create_vfs
+
+PF = "0000:3b:00.0"
+VFS = [f"0000:3b:02.{n}" for n in range(4)]
+CONFIG = {"resourceList": [{"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}}]}
+
+
+def cli(short_tmp: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(daemon_command(*arguments, "--control-socket", str(short_tmp / "control.sock")),
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+
+def wait_for_control(short_tmp: Path, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while cli(short_tmp, "list", "-o", "json").returncode != 0:
+        assert time.monotonic() < deadline, "the control socket never answered"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def sriov(host: FakeHost) -> FakeHost:
+    host.add_pf(PF, netdev="ens1f0", numa_node=0)
+    host.add_vfs(PF, VFS, driver="vfio-pci", iommu_groups=[10, 11, 12, 13], numa_node=0)
+    return host
+
+
+def test_list_shows_every_device_free_with_its_health(sriov, short_tmp, run_daemon):
+    run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    pools = json.loads(cli(short_tmp, "list", "-o", "json").stdout)
+    assert pools == [{"resource": "intel.com/dpdk", "devices": [
+        {"id": vf, "health": "Healthy", "holder": "free", "numa_nodes": [0]} for vf in VFS]}]
+    table = cli(short_tmp, "list").stdout
+    assert "RESOURCE" in table and VFS[0] in table
+
+
+def test_a_lease_hides_devices_from_the_kubelet_until_released(sriov, short_tmp, kubelet, run_daemon):
+    run_daemon(CONFIG, "--uevent-source", "none")
+    kubelet.wait_for_devices("intel.com/dpdk", 4)
+    granted = cli(short_tmp, "allocate", "intel.com/dpdk", "-n", "2", "--owner", "vm-7", "-o", "json")
+    assert granted.returncode == 0, granted.stderr
+    lease = json.loads(granted.stdout)
+    assert {"lease", "resource", "owner", "devices", "envs", "cdi_devices"} <= lease.keys()
+    assert lease["owner"] == "vm-7" and len(lease["devices"]) == 2
+    assert lease["envs"]["PCIDEVICE_INTEL_COM_DPDK"] == ",".join(lease["devices"])
+    assert lease["cdi_devices"] == [f"intel.com/dpdk={d}" for d in lease["devices"]]
+    assert {s["container_path"] for s in lease["device_specs"]} >= {"/dev/vfio/vfio"}
+    kubelet.wait_for_devices("intel.com/dpdk", 2)
+    assert not set(lease["devices"]) & set(kubelet.state("intel.com/dpdk").devices)
+    listed = json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]
+    held = {d["id"]: d for d in listed if d["holder"] == "lease"}
+    assert set(held) == set(lease["devices"]) and all(d["lease"] == lease["lease"] for d in held.values())
+    assert cli(short_tmp, "release", lease["lease"]).returncode == 0
+    kubelet.wait_for_devices("intel.com/dpdk", 4)
+    again = cli(short_tmp, "release", lease["lease"])
+    assert again.returncode == 1 and "no lease" in again.stderr
+
+
+@pytest.mark.parametrize(("arguments", "reason"), [
+    (("allocate", "intel.com/nothing"), "no resource 'intel.com/nothing'"),
+    (("allocate", "intel.com/dpdk", "-n", "9"), "9 devices of intel.com/dpdk requested, 4 free"),
+    (("allocate", "intel.com/dpdk", "--device", "0000:99:00.0"), "device '0000:99:00.0' is not in intel.com/dpdk"),
+    (("release", "lease-000000000000"), "no lease 'lease-000000000000'"),
+])
+def test_refusals_exit_1_with_the_reason(sriov, short_tmp, run_daemon, arguments, reason):
+    run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    refused = cli(short_tmp, *arguments)
+    assert refused.returncode == 1
+    assert reason in refused.stderr
+    assert json.loads(cli(short_tmp, "leases", "-o", "json").stdout) == []
+
+
+def test_a_clear_message_when_the_daemon_is_not_running(short_tmp):
+    result = cli(short_tmp, "list")
+    assert result.returncode == 3
+    assert "devplugd is not running" in result.stderr
+
+
+def test_a_device_the_kubelet_allocated_is_refused(sriov, short_tmp, kubelet, run_daemon):
+    run_daemon(CONFIG, "--uevent-source", "none")
+    kubelet.wait_for_devices("intel.com/dpdk", 4)
+    checkpoint = {"Data": {"PodDeviceEntries": [{"PodUID": "uid-1", "ContainerName": "app",
+                                                 "ResourceName": "intel.com/dpdk", "DeviceIDs": {"0": [VFS[1]]},
+                                                 "AllocResp": ""}], "RegisteredDevices": {}}, "Checksum": 1}
+    (short_tmp / "device-plugins" / "kubelet_internal_checkpoint").write_text(json.dumps(checkpoint))
+    refused = cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[1])
+    assert refused.returncode == 1
+    assert f"device '{VFS[1]}' of intel.com/dpdk is held by the kubelet (pod uid-1/app)" in refused.stderr
+    listed = json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]
+    assert next(d for d in listed if d["id"] == VFS[1])["holder"] == "kubelet"
+    granted = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "-n", "3", "-o", "json").stdout)
+    assert VFS[1] not in granted["devices"]
+
+
+def test_leases_survive_a_restart_and_kill_9(sriov, short_tmp, run_daemon):
+    daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    leases = [json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "-o", "json").stdout) for _ in range(2)]
+    assert daemon.stop() == 0
+    for _ in range(3):
+        daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+        wait_for_control(short_tmp)
+        kept = json.loads(cli(short_tmp, "leases", "-o", "json").stdout)
+        assert [x["lease"] for x in kept] == [x["lease"] for x in leases]
+        assert [x["devices"] for x in kept] == [x["devices"] for x in leases]
+        daemon.process.send_signal(signal.SIGKILL)
+        daemon.process.wait()
+
+
+def test_kill_9_during_grants_leaves_a_whole_lease_file(sriov, short_tmp, run_daemon):
+    """Grant and release in a loop while the daemon is killed at random moments: every start
+    finds a readable file, and never a device held twice."""
+    for round_number in range(4):
+        daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+        wait_for_control(short_tmp)
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(cli, short_tmp, "allocate", "intel.com/dpdk", "-o", "json") for _ in range(4)]
+            time.sleep(0.05 * (round_number + 1))
+            daemon.process.send_signal(signal.SIGKILL)
+            [f.result() for f in futures]
+        daemon.process.wait()
+        lease_file = short_tmp / "state" / "leases.json"
+        if lease_file.exists():  # killed before the first grant: the old state is "no leases"
+            document = json.loads(lease_file.read_text())
+            devices = [d for lease in document["leases"] for d in lease["devices"]]
+            assert len(devices) == len(set(devices))
+        daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+        wait_for_control(short_tmp)
+        for lease in json.loads(cli(short_tmp, "leases", "-o", "json").stdout):
+            assert cli(short_tmp, "release", lease["lease"]).returncode == 0
+        assert daemon.stop() == 0
+    assert not list((short_tmp / "state").glob("leases.json.corrupt-*"))
+
+
+def test_two_clients_racing_for_the_last_device_exactly_one_wins(sriov, short_tmp, run_daemon):
+    run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    assert cli(short_tmp, "allocate", "intel.com/dpdk", "-n", "3").returncode == 0
+    for _ in range(3):
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda owner: cli(short_tmp, "allocate", "intel.com/dpdk", "--owner", owner,
+                                                      "-o", "json"), ["a", "b"]))
+        assert sorted(r.returncode for r in results) == [0, 1]
+        winner = json.loads(next(r for r in results if r.returncode == 0).stdout)
+        assert "0 free" in next(r for r in results if r.returncode == 1).stderr
+        assert cli(short_tmp, "release", winner["lease"]).returncode == 0
+
+
+def test_a_corrupt_lease_file_is_moved_aside_and_the_daemon_starts(sriov, short_tmp, run_daemon):
+    (short_tmp / "state").mkdir()
+    (short_tmp / "state" / "leases.json").write_text('{"leases": [{"lease": ')
+    daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    assert json.loads(cli(short_tmp, "leases", "-o", "json").stdout) == []
+    assert list((short_tmp / "state").glob("leases.json.corrupt-*"))
+    daemon.wait_for_log("is corrupt")
+
+
+def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_daemon):
+    seam = Seam(short_tmp / "uevents.sock")
+    run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
+    seam.wait_ready()
+    wait_for_control(short_tmp)
+    lease = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[3], "-o", "json").stdout)
+    devpath = sriov.devpath(VFS[3])
+    (sriov.device_dir(PF) / "virtfn3").unlink()
+    sriov.remove_pci(VFS[3])
+    seam.send("remove", devpath, "pci")
+    deadline = time.monotonic() + 10
+    while True:
+        kept = json.loads(cli(short_tmp, "leases", "-o", "json").stdout)
+        if kept and kept[0]["missing_devices"] == [VFS[3]]:
+            break
+        assert time.monotonic() < deadline, kept
+        time.sleep(0.05)
+    assert kept[0]["lease"] == lease["lease"]
+
+
+def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon):
+    seam = Seam(short_tmp / "uevents.sock")
+    run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
+    seam.wait_ready()
+    wait_for_control(short_tmp)
+    watcher = subprocess.Popen(daemon_command("watch", "-o", "json", "--control-socket", str(short_tmp / "control.sock")),
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        snapshot = json.loads(watcher.stdout.readline())
+        assert snapshot["kind"] == "snapshot"
+        state = {(p["resource"], d["id"]): d for p in snapshot["pools"] for d in p["devices"]}
+        create_vfs(sriov, seam, 4, 4)
+        lease = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[0], "-o", "json").stdout)
+        gone = VFS[2]
+        devpath = sriov.devpath(gone)
+        (sriov.device_dir(PF) / "virtfn2").unlink()
+        sriov.remove_pci(gone)
+        seam.send("remove", devpath, "pci")
+        deadline = time.monotonic() + 10
+        versions = [snapshot["version"]]
+        while True:
+            final = {(p["resource"], d["id"]): d for p in json.loads(cli(short_tmp, "list", "-o", "json").stdout)
+                     for d in p["devices"]}
+            if len(final) == 7 and final[("intel.com/dpdk", VFS[0])]["holder"] == "lease" and state == final:
+                break
+            assert time.monotonic() < deadline, (state, final)
+            line = json.loads(watcher.stdout.readline())
+            versions.append(line["version"])
+            key = (line["resource"], line["device"]["id"])
+            if line["kind"] == "removed":
+                del state[key]
+            else:
+                assert (line["kind"] == "added") == (key not in state), line  # never double-counted
+                state[key] = line["device"]
+        assert versions == sorted(versions)
+        assert state[("intel.com/dpdk", VFS[0])]["lease"] == lease["lease"]
+    finally:
+        watcher.kill()
+        watcher.wait()
