@@ -29,7 +29,11 @@ _NAME_INVALID = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
 def cdi_kind(resource: str) -> str:
+    """``<vendor>/<class>`` valid for CDI: the vendor and the class start with a letter (an
+    ``x`` is put in front otherwise) and the class has only letters, digits, ``_`` and ``-``."""
     vendor, _, name = resource.partition("/")
+    if not vendor[:1].isalpha():
+        vendor = f"x{vendor}"
     cdi_class = _CLASS_INVALID.sub("_", name)
     if not cdi_class[:1].isalpha():
         cdi_class = f"x{cdi_class}"
