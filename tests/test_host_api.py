@@ -232,3 +232,24 @@ def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon)
     finally:
         watcher.kill()
         watcher.wait()
+
+
+def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, run_daemon):
+    seam = Seam(short_tmp / "uevents.sock")
+    daemon = run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
+    seam.wait_ready()
+    wait_for_control(short_tmp)
+    for _ in range(3):
+        watcher = subprocess.Popen(daemon_command("watch", "-o", "json", "--control-socket",
+                                                  str(short_tmp / "control.sock")),
+                                   cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        assert json.loads(watcher.stdout.readline())["kind"] == "snapshot"
+        watcher.kill()
+        watcher.wait()
+    create_vfs(sriov, seam, 4, 1)  # a change with the dead streams' subscriptions (if any) still there
+    deadline = time.monotonic() + 10
+    while len(json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]) != 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert daemon.process.poll() is None
+    assert "Traceback" not in daemon.log
