@@ -56,6 +56,7 @@ class ResourceState:
 
     devices: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     messages: list[dict[str, tuple[str, tuple[int, ...]]]] = field(default_factory=list)
+    received_at: list[float] = field(default_factory=list)  # time.monotonic() of each message, on arrival
     registrations: int = 0
     connected: bool = False
     options: dp.DevicePluginOptions | None = None
@@ -201,6 +202,7 @@ class FakeKubelet:
         state = self.state(client.resource)
         try:
             async for message in dp_grpc.DevicePluginStub(client.channel).ListAndWatch(dp.Empty()):
+                state.received_at.append(time.monotonic())  # before messages: readers index it by message
                 devices = {d.ID: (d.health, tuple(n.ID for n in d.topology.nodes)) for d in message.devices}
                 if not state.messages:
                     state.first_list_at = time.monotonic()
