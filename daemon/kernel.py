@@ -75,6 +75,7 @@ class Kernel:
         self._plugins = plugins
         self._load_config = load_config
         self._facts: dict[str, Any] = {}
+        self._built: dict[str, tuple[Any, tuple[Any, ...], Mapping[str, Any]]] = {}  # name -> (facts, pools, built)
         self.first_tree_published = trio.Event()
         self.reloads = 0
 
@@ -193,7 +194,13 @@ class Kernel:
             if not configured:
                 continue
             try:
-                built = handler.build(self._facts[name], configured) if name in self._facts else {}
+                facts = self._facts.get(name)
+                last = self._built.get(name)
+                if last is not None and last[0] is facts and last[1] == configured:
+                    built = last[2]  # nothing of this handler changed: skip its build
+                else:
+                    built = handler.build(facts, configured) if name in self._facts else {}
+                    self._built[name] = (facts, configured, built)
             except Exception:
                 log.exception("handler %s failed to build its pools; keeping its last devices", name)
                 pools.extend(previous.pools[p.resource] for p in configured if p.resource in previous.pools)

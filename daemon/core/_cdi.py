@@ -89,6 +89,7 @@ class CdiWriter:
     def __init__(self, directory: Path) -> None:
         self._directory = directory
         self._written: dict[str, bytes] = {}
+        self._built: dict[str, tuple[ResourcePool, bytes]] = {}  # a pool object -> its spec, once
 
     def remove_all(self) -> None:
         """Remove every devplugd CDI spec (at start and at stop)."""
@@ -100,12 +101,19 @@ class CdiWriter:
             if name.startswith(FILE_PREFIX) and name.endswith(".json"):
                 (self._directory / name).unlink(missing_ok=True)
         self._written.clear()
+        self._built.clear()
 
     def update(self, tree: DeviceTree) -> None:
         wanted: dict[str, bytes] = {}
+        built: dict[str, tuple[ResourcePool, bytes]] = {}
         for pool in tree.pools.values():
             if pool.devices:
-                wanted[spec_file_name(pool.resource)] = json.dumps(build_spec(pool), indent=1).encode()
+                known = self._built.get(pool.resource)
+                if known is None or known[0] is not pool:  # pools that did not change are the same object
+                    known = (pool, json.dumps(build_spec(pool), indent=1).encode())
+                built[pool.resource] = known
+                wanted[spec_file_name(pool.resource)] = known[1]
+        self._built = built
         try:
             for name, content in wanted.items():
                 if self._written.get(name) != content:

@@ -177,7 +177,10 @@ class ResourceEndpoint:
             socket_path.parent.mkdir(parents=True, exist_ok=True)
             socket_path.unlink(missing_ok=True)
             try:
-                server = await aio_as_trio(start_grpc_server)(str(socket_path), servicer, registration)
+                # Shielded: a server cancelled half-started is never stopped and wedges grpc's
+                # shutdown; starting takes milliseconds, and the finally below stops it.
+                with trio.CancelScope(shield=True):
+                    server = await aio_as_trio(start_grpc_server)(str(socket_path), servicer, registration)
             except Exception as error:  # listen failures are retried, never fatal
                 delay = backoff.next_delay()
                 log.error("cannot serve %s on %s: %s; retrying in %.1fs", self.resource, socket_path, error, delay,

@@ -277,14 +277,15 @@ async def serve_control_socket(
             socket_path.unlink()
     except FileNotFoundError:
         pass
-    server = await aio_as_trio(_start_control_server)(str(socket_path), servicer)
-    os.chmod(socket_path, 0o660)
-    if group:
-        shutil.chown(socket_path, group=group)
-    log.info("host API on %s", socket_path)
-    if task_status is not None:
-        task_status.started()
+    with trio.CancelScope(shield=True):  # never leave a half-started server behind (see _endpoint)
+        server = await aio_as_trio(_start_control_server)(str(socket_path), servicer)
     try:
+        os.chmod(socket_path, 0o660)
+        if group:
+            shutil.chown(socket_path, group=group)
+        log.info("host API on %s", socket_path)
+        if task_status is not None:
+            task_status.started()
         await trio.sleep_forever()
     finally:
         with trio.CancelScope(shield=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -38,10 +39,13 @@ log = logging.getLogger("devplugd.server")
 
 API_VERSION = "v1beta1"
 MAX_IDS_NAMED = 5
-# A stream sends a change at once, then at most one message per window while changes keep
-# coming (a 256-VF burst becomes a handful of lists, not 256). The timer runs only while a
-# change is waiting, never while idle.
-COALESCE_WINDOW = 0.02
+# A stream sends a change at once when it has been quiet for COALESCE_QUIET. Changes that come
+# sooner are held until none has come for COALESCE_QUIET (the burst is over), but never longer
+# than COALESCE_MAX_DELAY, then the newest list goes: 256 VFs created one by one over half a
+# second become a handful of lists, and the final one follows the last change within
+# COALESCE_QUIET. Timers run only while a change is waiting, never while idle.
+COALESCE_QUIET = 0.025
+COALESCE_MAX_DELAY = 0.25
 
 
 class _StreamClosed(Exception):
@@ -55,17 +59,19 @@ class StreamMailbox:
         self._wakeup = asyncio.Event()
         self._latest: LatestValue[ResourcePool | None] = LatestValue(self._wakeup.set)
         self._closed = False
+        self._offered_at = 0.0
 
     def offer(self, pool: ResourcePool | None) -> None:
+        self._offered_at = time.monotonic()
         self._latest.put(pool)
 
     def close(self) -> None:
         self._closed = True
         self._wakeup.set()
 
-    async def next_pool(self, not_before: float = 0.0) -> ResourcePool | None:
-        """The newest pool offered; if that comes before loop time ``not_before``, wait until
-        then and return whatever is newest by that time."""
+    async def next_pool(self, last_sent: float) -> ResourcePool | None:
+        """The newest pool offered, at once if the stream has been quiet since ``last_sent``
+        (monotonic seconds), else once the burst is over (see COALESCE_QUIET)."""
         while True:
             if self._closed:
                 raise _StreamClosed
@@ -74,25 +80,44 @@ class StreamMailbox:
                 break
             self._wakeup.clear()
             await self._wakeup.wait()
-        delay = not_before - asyncio.get_running_loop().time()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        first_pending = time.monotonic()
+        if first_pending - last_sent >= COALESCE_QUIET:
+            return pool
+        while True:
+            deadline = min(self._offered_at + COALESCE_QUIET, first_pending + COALESCE_MAX_DELAY)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            await asyncio.sleep(remaining)
             if self._closed:
                 raise _StreamClosed
-            full, newer = self._latest.take()
-            if full:
-                pool = newer
-        return pool
+        full, newer = self._latest.take()
+        return newer if full else pool
+
+
+def device_message(device_id: str, health: str, numa_nodes: tuple[int, ...]) -> dp.Device:
+    device = dp.Device(ID=device_id, health=health)
+    if numa_nodes:
+        device.topology.nodes.extend(dp.NUMANode(ID=node) for node in numa_nodes)
+    return device
+
+
+class ListingMessages:
+    """ListAndWatch messages built from per-device messages kept between lists: one changed
+    device costs one new ``Device``, not a rebuild of hundreds (about 6x cheaper for 256)."""
+
+    def __init__(self) -> None:
+        self._devices: dict[tuple[str, str, tuple[int, ...]], dp.Device] = {}
+
+    def response(self, pool: ResourcePool | None) -> dp.ListAndWatchResponse:
+        listing = pool.listing if pool is not None else ()
+        known = self._devices
+        self._devices = {entry: known.get(entry) or device_message(*entry) for entry in listing}
+        return dp.ListAndWatchResponse(devices=[self._devices[entry] for entry in listing])
 
 
 def list_response(pool: ResourcePool | None) -> dp.ListAndWatchResponse:
-    devices = []
-    for device_id, health, numa_nodes in pool.listing if pool is not None else ():
-        device = dp.Device(ID=device_id, health=health)
-        if numa_nodes:
-            device.topology.nodes.extend(dp.NUMANode(ID=node) for node in numa_nodes)
-        devices.append(device)
-    return dp.ListAndWatchResponse(devices=devices)
+    return ListingMessages().response(pool)
 
 
 def _name_ids(ids: Sequence[str]) -> str:
@@ -159,6 +184,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         self._handler = handler
         self._notifier = notifier
         self._streams: set[StreamMailbox] = set()
+        self._messages = ListingMessages()
 
     @property
     def stream_count(self) -> int:
@@ -188,18 +214,17 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         mailbox = StreamMailbox()
         self._streams.add(mailbox)
         pool = self._notifier.subscribe(self.resource, mailbox)
-        loop = asyncio.get_running_loop()
         try:
             last_listing = pool.listing if pool is not None else ()
-            yield list_response(pool)
-            last_sent = loop.time()
+            yield self._messages.response(pool)
+            last_sent = time.monotonic()
             while True:
-                pool = await mailbox.next_pool(not_before=last_sent + COALESCE_WINDOW)
+                pool = await mailbox.next_pool(last_sent)
                 listing = pool.listing if pool is not None else ()
                 if listing != last_listing:
                     last_listing = listing
-                    yield list_response(pool)
-                    last_sent = loop.time()
+                    yield self._messages.response(pool)
+                    last_sent = time.monotonic()
         except _StreamClosed:
             return
         finally:

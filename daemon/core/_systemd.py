@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import trio
 from systemd import daemon as sd_daemon
 
-from ._tree import HEALTHY, DeviceTree
+from ._tree import DeviceTree
 
 log = logging.getLogger("devplugd.systemd")
 
@@ -35,7 +35,7 @@ def watchdog_interval(environ: Mapping[str, str]) -> float | None:
 
 def status_line(tree: DeviceTree, served: int, registered: int, mode: str) -> str:
     devices = sum(len(pool.devices) for pool in tree.pools.values())
-    unhealthy = sum(1 for pool in tree.pools.values() for info in pool.devices.values() if info.health != HEALTHY)
+    unhealthy = sum(len(pool.devices) - pool.healthy_count for pool in tree.pools.values())
     if mode == "none":
         kubelet = "not registering"
     elif served == 0:

@@ -87,7 +87,7 @@ class ResourcePool:
             if device_id not in self.leased
         )
 
-    @property
+    @cached_property
     def healthy_count(self) -> int:
         return sum(1 for info in self.devices.values() if info.health == HEALTHY)
 
