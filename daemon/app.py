@@ -117,12 +117,13 @@ async def _serve(settings: Settings, handlers: dict[str, Handler], config: Daemo
                                                plugins.mode))
 
                 def published(tree: DeviceTree) -> None:
-                    cdi.update(tree)
+                    cdi.offer(tree)
                     report_status()
 
                 kernel.on_published = published
                 plugins.on_change = report_status
                 nursery.start_soon(kernel.run, receive_channel)
+                nursery.start_soon(cdi.run)
                 host_api = HostServicer(
                     notifier, handlers, leases, settings.device_plugin_dir,
                     lambda: nursery.start_soon(send_channel.send, LeasesChanged("lease")),

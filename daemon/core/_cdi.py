@@ -18,8 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import trio
+
 from ._leases import write_atomically
-from ._tree import DeviceTree, ResourcePool
+from ._notifier import LatestValue
+from ._tree import DeviceInfo, DeviceTree, ResourcePool
 
 log = logging.getLogger("devplugd.cdi")
 
@@ -58,38 +61,80 @@ def spec_file_name(resource: str) -> str:
     return FILE_PREFIX + cdi_kind(resource).replace("/", "-") + ".json"
 
 
-def build_spec(pool: ResourcePool) -> dict[str, Any]:
+def _device_entry(device_id: str, info: DeviceInfo, env_name: str) -> tuple[dict[str, Any], bool]:
+    """One CDI device, and whether it needs ``hostPath`` (cdiVersion 0.5.0)."""
+    edits: dict[str, Any] = {}
     needs_host_path = False
-    devices = []
+    nodes = []
+    for spec in info.specs:
+        node = {"path": spec.container_path, "permissions": spec.permissions}
+        if spec.host_path != spec.container_path:
+            node["hostPath"] = spec.host_path
+            needs_host_path = True
+        nodes.append(node)
+    if nodes:
+        edits["deviceNodes"] = nodes
+    envs = {**info.envs, env_name: device_id}
+    edits["env"] = [f"{key}={value}" for key, value in sorted(envs.items())]
+    if info.mounts:
+        edits["mounts"] = [
+            {"hostPath": m.host_path, "containerPath": m.container_path,
+             "options": ["bind", "ro" if m.read_only else "rw"]}
+            for m in info.mounts
+        ]
+    return {"name": cdi_device_name(device_id), "containerEdits": edits}, needs_host_path
+
+
+def build_spec(pool: ResourcePool) -> dict[str, Any]:
+    env_name = cdi_env_name(pool.resource)
+    entries = [_device_entry(device_id, info, env_name) for device_id, info in sorted(pool.devices.items())]
+    return {"cdiVersion": "0.5.0" if any(needs for _, needs in entries) else "0.3.0",
+            "kind": cdi_kind(pool.resource), "devices": [entry for entry, _ in entries]}
+
+
+_Fragments = dict[str, tuple[DeviceInfo, bytes, bool]]
+
+
+def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments]:
+    """``build_spec(pool)`` as compact JSON, reusing the encoded devices of ``known`` whose
+    DeviceInfo is the very same object (a tree keeps unchanged devices' objects): one changed
+    device in a pool of hundreds costs one device's encoding."""
+    env_name = cdi_env_name(pool.resource)
+    fragments: _Fragments = {}
     for device_id, info in sorted(pool.devices.items()):
-        edits: dict[str, Any] = {}
-        nodes = []
-        for spec in info.specs:
-            node = {"path": spec.container_path, "permissions": spec.permissions}
-            if spec.host_path != spec.container_path:
-                node["hostPath"] = spec.host_path
-                needs_host_path = True
-            nodes.append(node)
-        if nodes:
-            edits["deviceNodes"] = nodes
-        envs = {**info.envs, cdi_env_name(pool.resource): device_id}
-        edits["env"] = [f"{key}={value}" for key, value in sorted(envs.items())]
-        if info.mounts:
-            edits["mounts"] = [
-                {"hostPath": m.host_path, "containerPath": m.container_path,
-                 "options": ["bind", "ro" if m.read_only else "rw"]}
-                for m in info.mounts
-            ]
-        devices.append({"name": cdi_device_name(device_id), "containerEdits": edits})
-    return {"cdiVersion": "0.5.0" if needs_host_path else "0.3.0", "kind": cdi_kind(pool.resource),
-            "devices": devices}
+        cached = known.get(device_id)
+        if cached is None or cached[0] is not info:
+            entry, needs_host_path = _device_entry(device_id, info, env_name)
+            cached = (info, json.dumps(entry, separators=(",", ":")).encode(), needs_host_path)
+        fragments[device_id] = cached
+    version = "0.5.0" if any(needs for _, _, needs in fragments.values()) else "0.3.0"
+    head = json.dumps({"cdiVersion": version, "kind": cdi_kind(pool.resource)}, separators=(",", ":"))
+    content = head[:-1].encode() + b',"devices":[' + b",".join(f for _, f, _ in fragments.values()) + b"]}"
+    return content, fragments
 
 
 class CdiWriter:
+    """Keeps the spec files in step with the newest tree. ``run`` is a task of its own, woken by
+    ``offer``: spec writing never delays a ListAndWatch message, and a burst of trees is written
+    once."""
+
     def __init__(self, directory: Path) -> None:
+        self._wakeup = trio.Event()
+        self._latest: LatestValue[DeviceTree] = LatestValue(lambda: self._wakeup.set())
         self._directory = directory
         self._written: dict[str, bytes] = {}
-        self._built: dict[str, tuple[ResourcePool, bytes]] = {}  # a pool object -> its spec, once
+        self._built: dict[str, tuple[ResourcePool, bytes, _Fragments]] = {}  # resource -> its last spec
+
+    def offer(self, tree: DeviceTree) -> None:
+        self._latest.put(tree)
+
+    async def run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            full, tree = self._latest.take()
+            if full and tree is not None:
+                self.update(tree)
 
     def remove_all(self) -> None:
         """Remove every devplugd CDI spec (at start and at stop)."""
@@ -105,12 +150,13 @@ class CdiWriter:
 
     def update(self, tree: DeviceTree) -> None:
         wanted: dict[str, bytes] = {}
-        built: dict[str, tuple[ResourcePool, bytes]] = {}
+        built: dict[str, tuple[ResourcePool, bytes, _Fragments]] = {}
         for pool in tree.pools.values():
             if pool.devices:
                 known = self._built.get(pool.resource)
                 if known is None or known[0] is not pool:  # pools that did not change are the same object
-                    known = (pool, json.dumps(build_spec(pool), indent=1).encode())
+                    content, fragments = spec_bytes(pool, known[2] if known is not None else {})
+                    known = (pool, content, fragments)
                 built[pool.resource] = known
                 wanted[spec_file_name(pool.resource)] = known[1]
         self._built = built
@@ -118,7 +164,7 @@ class CdiWriter:
             for name, content in wanted.items():
                 if self._written.get(name) != content:
                     self._directory.mkdir(parents=True, exist_ok=True)
-                    write_atomically(self._directory / name, content, mode=0o644)
+                    write_atomically(self._directory / name, content, mode=0o644, durable=False)
                     self._written[name] = content
             for name in [n for n in self._written if n not in wanted]:
                 (self._directory / name).unlink(missing_ok=True)

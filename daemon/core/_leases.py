@@ -100,16 +100,22 @@ class Lease:
         )
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves the old or the new content."""
+def write_atomically(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so that readers and crashes see the old or the new content.
+
+    ``durable`` adds the fsyncs (file, then directory) that make the new content survive a power
+    loss; files on a tmpfs (CDI specs in /var/run) need only the rename."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         os.write(descriptor, data)
-        os.fsync(descriptor)
+        if durable:
+            os.fsync(descriptor)
     finally:
         os.close(descriptor)
     os.rename(temporary, path)
+    if not durable:
+        return
     directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(directory)
