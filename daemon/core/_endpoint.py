@@ -197,7 +197,7 @@ class ResourceEndpoint:
                 servicer.close_streams()
                 with trio.CancelScope(shield=True):
                     await aio_as_trio(server.stop)(STOP_GRACE)
-                    _unlink_if_socket(socket_path)
+                    remove_socket_file(socket_path)
                     self.socket_path = None
                     self._on_change()
 
@@ -251,7 +251,8 @@ class ResourceEndpoint:
         return math.inf
 
 
-def _unlink_if_socket(path: Path) -> None:
+def remove_socket_file(path: Path) -> None:
+    """Remove ``path`` if it is a socket (a stale one of ours); leave anything else alone."""
     try:
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             path.unlink()

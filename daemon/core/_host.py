@@ -15,16 +15,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import shutil
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
+import trio
+from trio_asyncio import aio_as_trio
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 
 from ._cdi import cdi_names
+from ._endpoint import remove_socket_file
 from ._handler import AllocationError, Handler
 from ._leases import Lease, LeaseBook, LeaseError
 from ._notifier import LatestValue, Notifier
@@ -260,23 +265,16 @@ async def _start_control_server(socket_path: str, servicer: HostServicer) -> grp
 
 
 async def serve_control_socket(
-    socket_path: Path, group: str | None, servicer: HostServicer, *, task_status: Any = None
+    socket_path: Path,
+    group: str | None,
+    servicer: HostServicer,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the host API on ``socket_path`` (mode 0660, owned by ``group`` when given) until
     cancelled; the socket is removed on the way out."""
-    import os
-    import shutil
-    import stat
-
-    import trio
-    from trio_asyncio import aio_as_trio
-
     socket_path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
-            socket_path.unlink()
-    except FileNotFoundError:
-        pass
+    remove_socket_file(socket_path)
     with trio.CancelScope(shield=True):  # never leave a half-started server behind (see _endpoint)
         server = await aio_as_trio(_start_control_server)(str(socket_path), servicer)
     try:
@@ -284,8 +282,7 @@ async def serve_control_socket(
         if group:
             shutil.chown(socket_path, group=group)
         log.info("host API on %s", socket_path)
-        if task_status is not None:
-            task_status.started()
+        task_status.started()
         await trio.sleep_forever()
     finally:
         with trio.CancelScope(shield=True):
