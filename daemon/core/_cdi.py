@@ -27,6 +27,7 @@ from ._tree import DeviceInfo, DeviceTree, ResourcePool
 log = logging.getLogger("devplugd.cdi")
 
 FILE_PREFIX = "devplugd-"
+SETTLE_SECONDS = 0.05  # specs follow a change this much later (timer armed only by a change)
 _CLASS_INVALID = re.compile(r"[^A-Za-z0-9_-]")
 _NAME_INVALID = re.compile(r"[^A-Za-z0-9_.:-]")
 
@@ -115,8 +116,8 @@ def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments
 
 class CdiWriter:
     """Keeps the spec files in step with the newest tree. ``run`` is a task of its own, woken by
-    ``offer``: spec writing never delays a ListAndWatch message, and a burst of trees is written
-    once."""
+    ``offer``, writing SETTLE_SECONDS after a change: spec writing never delays a ListAndWatch
+    message, and a burst of trees is written once."""
 
     def __init__(self, directory: Path) -> None:
         self._wakeup = trio.Event()
@@ -131,6 +132,8 @@ class CdiWriter:
     async def run(self) -> None:
         while True:
             await self._wakeup.wait()
+            # Let the ListAndWatch streams go first, and write a burst of trees once.
+            await trio.sleep(SETTLE_SECONDS)
             self._wakeup = trio.Event()
             full, tree = self._latest.take()
             if full and tree is not None:
