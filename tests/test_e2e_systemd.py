@@ -10,7 +10,7 @@ leave the unit as they found it first, the watchdog and purge tests last.
 The .deb is ``dist/devplugd_<version>_<arch>.deb``, built with ``make deb`` when missing (in
 the background, while the image is made). Needs root; a cold machine builds the images first
 (debootstrap ~1-1.5 min and the Depends ~15-25 s, downloaded from the Debian mirror); warm, the
-module takes about a minute. Environment: DEVPLUGD_E2E=0 skips it; DEVPLUGD_E2E_DEB=x.deb tests
+module takes about a minute. Environment: DEVPLUGD_E2E_DEB=x.deb tests
 another package; DEVPLUGD_E2E_CACHE, DEVPLUGD_E2E_MIRROR and DEVPLUGD_E2E_TMPFS=0 are read by
 tests/e2e/.
 """
@@ -36,11 +36,6 @@ from tests.e2e.units import (
     assert_became_active, journal, journal_cursor, message, source_monotonic, start_and_trace, unit_state,
     wait_for_journal, wait_for_state,
 )
-
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="e2e: needs root (debootstrap, systemd-nspawn, cgroups)"),
-    pytest.mark.skipif(os.environ.get("DEVPLUGD_E2E") == "0", reason="e2e: DEVPLUGD_E2E=0"),
-]
 
 UNIT = "devplugd.service"
 CONFIG = "/etc/devplugd/config.json"

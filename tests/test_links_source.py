@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import struct
 import subprocess
 import sys
@@ -264,8 +263,6 @@ def changes_for(events: list[Event], name: str) -> list[LinkState | None]:
 @pytest.fixture
 def netns() -> Iterator[str]:
     """A fresh network namespace ``dpt-<random>``, deleted (with its veths) afterwards."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs root and iproute2 to create a network namespace")
     name = f"dpt-{secrets.token_hex(4)}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
@@ -436,10 +433,7 @@ async def test_overflow_dumps_again(netns: str, start_driver: Callable[..., Awai
 async def test_bridge_port_messages_are_not_link_events(
     netns: str, start_driver: Callable[..., Awaitable[Driver]]
 ) -> None:
-    try:
-        await ip(netns, "link", "add", "dpbr", "type", "bridge")
-    except subprocess.CalledProcessError:
-        pytest.skip("no bridge support in this kernel")
+    await ip(netns, "link", "add", "dpbr", "type", "bridge")
     await add_veth(netns, "dpa", "dpb")
     driver = await start_driver()
     await driver.events_until(is_snapshot)
