@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from tests.fakesysfs import FakeHost
-from tests.kubelet import FakeKubelet
 
 PF = "0000:3b:00.0"
 

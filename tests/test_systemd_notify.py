@@ -16,7 +16,6 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.fakesysfs import FakeHost
-from tests.kubelet import FakeKubelet
 
 PF = "0000:3b:00.0"
 VFS = [f"0000:3b:02.{n}" for n in range(4)]

@@ -83,10 +83,20 @@ class HostServicer(host_grpc.HostServicer):
         self._with_cdi = with_cdi
 
     # -- reading ---------------------------------------------------------------------------------
-    def _device(self, pool: ResourcePool, device_id: str, kubelet: Mapping[tuple[str, str], str]) -> host.Device:
+    def _holders(self) -> tuple[dict[tuple[str, str], Lease], dict[tuple[str, str], str]]:
+        """Who holds what now: host leases and the kubelet's checkpoint, read once per answer."""
+        return self._leases.holders(), kubelet_allocations(self._device_plugin_dir)
+
+    @staticmethod
+    def _device(
+        pool: ResourcePool,
+        device_id: str,
+        holders: tuple[Mapping[tuple[str, str], Lease], Mapping[tuple[str, str], str]],
+    ) -> host.Device:
+        leases, kubelet = holders
         info = pool.devices[device_id]
         device = host.Device(id=device_id, health=info.health, numa_nodes=info.numa_nodes, holder="free")
-        lease = self._leases.holders().get((pool.resource, device_id))
+        lease = leases.get((pool.resource, device_id))
         if lease is not None:
             device.holder, device.lease, device.owner = "lease", lease.lease, lease.owner
         elif (pool.resource, device_id) in kubelet:
@@ -94,9 +104,9 @@ class HostServicer(host_grpc.HostServicer):
         return device
 
     def _snapshot(self, tree: DeviceTree) -> host.ListResponse:
-        kubelet = kubelet_allocations(self._device_plugin_dir)
+        holders = self._holders()
         return host.ListResponse(version=tree.version, pools=[
-            host.Pool(resource=resource, devices=[self._device(pool, i, kubelet) for i in sorted(pool.devices)])
+            host.Pool(resource=resource, devices=[self._device(pool, i, holders) for i in sorted(pool.devices)])
             for resource, pool in sorted(tree.pools.items())
         ])
 
@@ -123,7 +133,7 @@ class HostServicer(host_grpc.HostServicer):
             self._notifier.unsubscribe_trees(latest.put)
 
     def _deltas(self, old: DeviceTree, new: DeviceTree) -> list[host.WatchEvent]:
-        kubelet = kubelet_allocations(self._device_plugin_dir)
+        holders = self._holders()
         events = []
         for resource in sorted(old.pools.keys() | new.pools.keys()):
             before, after = old.pools.get(resource), new.pools.get(resource)
@@ -143,7 +153,7 @@ class HostServicer(host_grpc.HostServicer):
                 else:
                     continue
                 assert pool is not None
-                delta = host.Delta(kind=kind, resource=resource, device=self._device(pool, device_id, kubelet))
+                delta = host.Delta(kind=kind, resource=resource, device=self._device(pool, device_id, holders))
                 events.append(host.WatchEvent(version=new.version, delta=delta))
         return events
 
@@ -168,11 +178,10 @@ class HostServicer(host_grpc.HostServicer):
 
     # -- granting --------------------------------------------------------------------------------
     def _choose(self, pool: ResourcePool, request: host.AllocateRequest) -> list[str]:
-        holders = self._leases.holders()
-        kubelet = kubelet_allocations(self._device_plugin_dir)
+        leases, kubelet = self._holders()
 
         def held_by(device_id: str) -> str | None:
-            lease = holders.get((pool.resource, device_id))
+            lease = leases.get((pool.resource, device_id))
             if lease is not None:
                 return f"host lease {lease.lease} (owner {lease.owner})"
             owner = kubelet.get((pool.resource, device_id))

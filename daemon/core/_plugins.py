@@ -49,9 +49,6 @@ class PluginManager:
     def endpoints(self) -> dict[str, ResourceEndpoint]:
         return {resource: endpoint for resource, (endpoint, _) in self._endpoints.items()}
 
-    def all_registered(self) -> bool:
-        return all(endpoint.registered for endpoint, _ in self._endpoints.values())
-
     @property
     def served_count(self) -> int:
         return sum(1 for endpoint, _ in self._endpoints.values() if endpoint.socket_path is not None)

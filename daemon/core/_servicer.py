@@ -116,9 +116,6 @@ class ListingMessages:
         return dp.ListAndWatchResponse(devices=[self._devices[entry] for entry in listing])
 
 
-def list_response(pool: ResourcePool | None) -> dp.ListAndWatchResponse:
-    return ListingMessages().response(pool)
-
 
 def _name_ids(ids: Sequence[str]) -> str:
     shown = ", ".join(repr(i) for i in ids[:MAX_IDS_NAMED])
@@ -185,10 +182,6 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         self._notifier = notifier
         self._streams: set[StreamMailbox] = set()
         self._messages = ListingMessages()
-
-    @property
-    def stream_count(self) -> int:
-        return len(self._streams)
 
     def close_streams(self) -> None:
         """End every open ListAndWatch stream (before the server stops or we register again)."""

@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
 
-from ._discovery import PciDevice, PciFacts, read_devices, read_rdma_char_devices, vf_positions_of
+from ._discovery import PciFacts, read_devices, read_rdma_char_devices, vf_positions_of
 
 log = logging.getLogger("devplugd.pci")
 
