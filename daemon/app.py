@@ -18,13 +18,13 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
-from daemon.core import ConfigChanged, ConfiguredPool, Event, HandlerContext, LeasesChanged, PoolLifecycle, Resync
+from daemon.core import ConfigChanged, Event, HandlerContext, LeasesChanged, Resync
 from daemon.core._cdi import CdiWriter
 from daemon.core._host import HostServicer, serve_control_socket
 from daemon.core._leases import LeaseBook
 from daemon.core._tree import DeviceTree
 from daemon.core._config import ConfigFileError, DaemonConfig, load_config
-from daemon.core._handler import Handler
+from daemon.core._handler import Handler, tell_lifecycle
 from daemon.core._notifier import Notifier
 from daemon.core._plugins import PluginManager
 from daemon.core._registry import HandlerLoadError, load_handlers, parser_table
@@ -100,7 +100,7 @@ async def _serve(settings: Settings, handlers: dict[str, Handler], config: Daemo
     cdi.remove_all()
     async with trio_asyncio.open_loop():
         notifier = Notifier()
-        _pools_started(handlers, config.pools)
+        tell_lifecycle(handlers, config.pools, started=True)
         kernel: Kernel | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -138,7 +138,7 @@ async def _serve(settings: Settings, handlers: dict[str, Handler], config: Daemo
                 service.stopping()
                 nursery.cancel_scope.cancel()
         finally:
-            _pools_stopped(handlers, (kernel.config if kernel is not None else config).pools)
+            tell_lifecycle(handlers, (kernel.config if kernel is not None else config).pools, started=False)
             cdi.remove_all()
     log.info("stopped")
 
@@ -191,18 +191,3 @@ async def _serve_signals(send_channel: trio.MemorySendChannel[Event]) -> None:
                 time.sleep(365 * 24 * 3600)  # blocks the whole loop: no more watchdog pings
             log.info("received %s", signal.Signals(signum).name)
             return
-
-
-def _pools_started(handlers: dict[str, Handler], pools: tuple[ConfiguredPool, ...]) -> None:
-    for name, handler in handlers.items():
-        if isinstance(handler, PoolLifecycle):
-            handler.pools_started([pool for pool in pools if pool.handler == name])
-
-
-def _pools_stopped(handlers: dict[str, Handler], pools: tuple[ConfiguredPool, ...]) -> None:
-    for name, handler in handlers.items():
-        if isinstance(handler, PoolLifecycle):
-            try:
-                handler.pools_stopped([pool for pool in pools if pool.handler == name])
-            except Exception:
-                log.exception("handler %s failed to clean up", name)

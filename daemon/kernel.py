@@ -35,12 +35,12 @@ from daemon.core import (
     LinkChanged,
     LinkSnapshot,
     PluginSocketRemoved,
-    PoolLifecycle,
     ResourcePool,
     Resync,
     UEvent,
 )
 from daemon.core._config import ConfigFileError, DaemonConfig
+from daemon.core._handler import tell_lifecycle
 from daemon.core._notifier import Notifier
 from daemon.core._plugins import PluginManager
 from daemon.core._systemd import ServiceManager
@@ -167,15 +167,8 @@ class Kernel:
             return False
         old_resources = {pool.resource: pool for pool in self._config.pools}
         new_resources = {pool.resource: pool for pool in config.pools}
-        for name, handler in self._handlers.items():
-            if not isinstance(handler, PoolLifecycle):
-                continue
-            removed = [p for r, p in old_resources.items() if p.handler == name and r not in new_resources]
-            added = [p for r, p in new_resources.items() if p.handler == name and r not in old_resources]
-            if removed:
-                handler.pools_stopped(removed)
-            if added:
-                handler.pools_started(added)
+        tell_lifecycle(self._handlers, [p for r, p in old_resources.items() if r not in new_resources], started=False)
+        tell_lifecycle(self._handlers, [p for r, p in new_resources.items() if r not in old_resources], started=True)
         for warning in config.warnings:
             log.warning("config %s: %s", config.source, warning)
         log.info("config reloaded: %d pools (%d added, %d removed)", len(config.pools),

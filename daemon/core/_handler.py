@@ -16,6 +16,7 @@ one by name.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from ._config import ConfiguredPool, PoolEntry
 from ._events import Event
 from ._tree import DeviceInfo, DeviceSpec, Mount, ResourcePool
+
+log = logging.getLogger("devplugd.handlers")
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,22 @@ class PoolLifecycle(Protocol):
     def pools_stopped(self, pools: Sequence[ConfiguredPool]) -> None:
         """Called when these pools stop being served (shutdown, or removed by a reload)."""
         ...
+
+
+def tell_lifecycle(handlers: Mapping[str, Handler], pools: Sequence[ConfiguredPool], *, started: bool) -> None:
+    """Call ``pools_started`` (or ``pools_stopped``) of each PoolLifecycle handler with its share
+    of ``pools``. A handler that fails is logged; the others still hear of their pools."""
+    for name, handler in handlers.items():
+        mine = [pool for pool in pools if pool.handler == name]
+        if not mine or not isinstance(handler, PoolLifecycle):
+            continue
+        try:
+            if started:
+                handler.pools_started(mine)
+            else:
+                handler.pools_stopped(mine)
+        except Exception:
+            log.exception("handler %s failed on pools %s", name, "started" if started else "stopped")
 
 
 def default_allocation(pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
