@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 from daemon.core import DeviceSpec
 
-from ._discovery import PciDevice
+from ._discovery import PCI_ADDRESS, PciDevice
 
 DEVINFO_VERSION = "1.1.0"
 VFIO_DRIVER = "vfio-pci"
@@ -30,7 +29,6 @@ VFIO_CONTAINER = "/dev/vfio/vfio"
 VHOST_NET = "/dev/vhost-net"
 NET_TUN = "/dev/net/tun"
 
-_PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 
 
 @dataclass(frozen=True)
@@ -157,7 +155,7 @@ def remove_devinfo_files(directory: Path, resource: str) -> int:
     for name in names:
         if not (name.startswith(prefix) and name.endswith("-device.json")):
             continue
-        if _PCI_ADDRESS.fullmatch(name[len(prefix):-len("-device.json")]):
+        if PCI_ADDRESS.fullmatch(name[len(prefix):-len("-device.json")]):
             (directory / name).unlink(missing_ok=True)
             removed += 1
     return removed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from ._linktypes import link_type_name
 log = logging.getLogger("devplugd.pci")
 
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
+PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")  # domain:bus:device.function
 
 
 @dataclass(frozen=True, slots=True)

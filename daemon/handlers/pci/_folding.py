@@ -11,7 +11,6 @@ The result is what a full scan of the same sysfs would give.
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -19,11 +18,10 @@ from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
 
-from ._discovery import PciFacts, read_devices, read_rdma_char_devices, vf_positions_of
+from ._discovery import PCI_ADDRESS, PciFacts, read_devices, read_rdma_char_devices, vf_positions_of
 
 log = logging.getLogger("devplugd.pci")
 
-PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 RDMA_SUBSYSTEMS = frozenset({"infiniband", "infiniband_verbs", "infiniband_mad", "infiniband_cm"})
 
 
