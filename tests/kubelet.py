@@ -138,6 +138,26 @@ class FakeKubelet:
         request = dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devices_ids=device_ids)])
         return self.call(resource, "Allocate", request, timeout)
 
+    def offers_preferred_allocation(self, resource: str) -> bool:
+        """Whether the plugin's GetDevicePluginOptions said ``get_preferred_allocation_available``."""
+        options = self.state(resource).options
+        return options is not None and options.get_preferred_allocation_available
+
+    def preferred_allocation(
+        self, resource: str, available: list[str], must_include: list[str], size: int, timeout: float = 10.0
+    ) -> list[str]:
+        """GetPreferredAllocation as the kubelet sends it (section 3.7): one
+        ContainerPreferredAllocationRequest with ``size`` = the container's total request; only
+        ``container_responses[0].deviceIDs`` is read, and no response means no preference. Like the
+        kubelet, it does not call a plugin whose options do not offer it (AssertionError)."""
+        if not self.offers_preferred_allocation(resource):
+            raise AssertionError(f"kubelet stand-in: {resource} does not offer GetPreferredAllocation; "
+                                 f"options={self.state(resource).options}")
+        request = dp.PreferredAllocationRequest(container_requests=[dp.ContainerPreferredAllocationRequest(
+            available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size)])
+        response = self.call(resource, "GetPreferredAllocation", request, timeout)
+        return list(response.container_responses[0].deviceIDs) if response.container_responses else []
+
     def call(self, resource: str, method: str, request: Any, timeout: float = 10.0) -> Any:
         async def invoke() -> Any:
             client = self._clients[resource]
