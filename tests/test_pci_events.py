@@ -23,6 +23,7 @@ from tests.fakesysfs import FakeHost
 
 PF_A, PF_B, PF_NEW = "0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0"
 CONFIG = {"resourceList": [
+    {"resourceName": "passthrough", "deviceType": "pciDevice", "selectors": {"pfNames": ["ensb#0-3"]}},
     {"resourceName": "vfio", "selectors": {"drivers": ["vfio-pci"]}},
     {"resourceName": "kernel_a", "selectors": {"pfNames": ["ensa#0-2"]}},
     {"resourceName": "kernel_rest", "selectors": [{"drivers": ["iavf"]}, {"rootDevices": [PF_B]}]},

@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from daemon.core import DeviceSpec
 
-from ._discovery import PCI_ADDRESS, PciDevice
+from ._discovery import PCI_ADDRESS, PciDevice, VfioBinding
 
 DEVINFO_VERSION = "1.1.0"
 VFIO_DRIVER = "vfio-pci"
@@ -46,6 +46,16 @@ def vfio_specs(device: PciDevice) -> tuple[DeviceSpec, ...]:
     container = f"/dev/vfio/{device.iommu_group}"
     host = f"/dev/vfio/noiommu-{device.iommu_group}" if device.noiommu else container
     return (DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER), DeviceSpec(container, host))
+
+
+def with_vfio_binding(details: PciDetails, binding: VfioBinding) -> PciDetails:
+    """``details`` with the IOMMU group of ``binding`` (its specs and ``_INFO`` ``dev-mount``)."""
+    device = replace(details.device, iommu_group=binding.iommu_group, noiommu=binding.noiommu)
+    info = {provider: dict(values) for provider, values in details.info.items()}
+    vfio = vfio_specs(device)
+    if "vfio" in info and vfio:
+        info["vfio"]["dev-mount"] = vfio[1].container_path
+    return replace(details, device=device, info=info)
 
 
 def device_specs_and_info(

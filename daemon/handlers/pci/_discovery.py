@@ -248,6 +248,30 @@ def read_device(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class VfioBinding:
+    """A function's driver and IOMMU group as sysfs shows them right now."""
+
+    driver: str | None
+    iommu_group: str | None
+    noiommu: bool
+
+
+def read_vfio_binding(sysfs_root: str, address: str) -> VfioBinding | None:
+    """The driver and group links of one function, read afresh (``None`` if the function is gone).
+    Allocate uses it so that a group that changed since the last uevent is never handed out."""
+    device_dir = f"{sysfs_root}/bus/pci/devices/{address}"
+    entries = _listing(device_dir)
+    if not entries:
+        return None
+    group = link_name(f"{device_dir}/iommu_group") if "iommu_group" in entries else None
+    return VfioBinding(
+        driver=link_name(f"{device_dir}/driver") if "driver" in entries else None,
+        iommu_group=group,
+        noiommu=group is not None and read_text(f"{device_dir}/iommu_group/name") == NOIOMMU_GROUP_NAME,
+    )
+
+
 def _listing(device_dir: str) -> frozenset[str]:
     try:
         return frozenset(os.listdir(device_dir))

@@ -4,7 +4,8 @@ Each device goes to the first pool and selector (in file order) that admits it, 
 SR-IOV plugin assigns devices; since that depends on the device alone, a fold that changed a few
 devices (or the links they depend on) only moves those few. The builder keeps what it built last
 and patches it; anything it cannot account for (new pools, an unknown lineage) is a full build.
-Health: a device is Unhealthy when its own link, or (``checkHealthOnPf``, default on) its PF's
+``pciDevice`` pools take any function a selector admits (the selector's drivers, ``vfio-pci``
+by default), except a PF with VFs enabled. Health: a device is Unhealthy when its own link, or (``checkHealthOnPf``, default on) its PF's
 link, is administratively up without carrier.
 """
 
@@ -22,7 +23,7 @@ from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMa
 from ._allocation import PciDetails, device_specs_and_info
 from ._ddp import read_ddp_profile
 from ._discovery import PciDevice, PciFacts
-from ._selectors import ACCELERATOR, PciSelector
+from ._selectors import ACCELERATOR, PCI_DEVICE, PciSelector
 
 log = logging.getLogger("devplugd.pci")
 
@@ -35,6 +36,7 @@ class PciPoolSpec:
     device_type: str
     selectors: tuple[PciSelector, ...]
     check_health_on_pf: bool = True
+    allocation_policy: str | None = None  # "packed" or "spread": GetPreferredAllocation is offered
 
 
 def eligible(device: PciDevice, device_type: str) -> bool:
@@ -43,6 +45,8 @@ def eligible(device: PciDevice, device_type: str) -> bool:
         return False
     if device_type == ACCELERATOR:
         return device.base_class == ACCELERATOR_CLASS
+    if device_type == PCI_DEVICE:  # any function, but not a PF whose VFs others may be using
+        return not (device.is_pf and device.num_vfs > 0)
     return (
         device.base_class == NETWORK_CLASS
         and not (device.is_pf and device.num_vfs > 0)

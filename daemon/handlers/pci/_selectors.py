@@ -1,10 +1,17 @@
 """Selectors of the SR-IOV plugin's ``netDevice`` and ``accelerator`` pools, parsed and matched
-exactly as upstream does (``pkg/resources/deviceSelectors.go``).
+exactly as upstream does (``pkg/resources/deviceSelectors.go``), and of our ``pciDevice`` pools
+(any PCI function handed whole to a VM or a vfio workload).
 
 Fields combine with AND, values inside one list with OR; an empty list does not filter.
 ``pfNames``/``rootDevices`` entries are ``<PF netdev|PF address>[#<indices>]`` where indices are
 ``N`` or ``A-B`` separated by commas. As upstream: the *first* entry whose part before ``#``
 equals the PF (case-insensitively) decides; a malformed index list stops matching at the bad part.
+
+``pciDevice`` selectors take ``classes`` (hex prefixes of the 6-digit class code: ``"0108"`` NVMe,
+``"12"`` accelerators), ``vendors``, ``devices``, ``drivers``, ``pciAddresses``, ``pfNames`` and
+``rootDevices``; a PF without a netdev is named in ``pfNames`` by its PCI address. Without
+``drivers`` only functions bound to ``vfio-pci`` are offered: a device still owned by its host
+driver is not ready to be handed out.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from daemon.core import ConfigObject
+from daemon.core import ConfigError, ConfigObject
 
 from ._discovery import PciDevice
 
@@ -21,6 +28,9 @@ log = logging.getLogger("devplugd.pci")
 
 NET_DEVICE = "netDevice"
 ACCELERATOR = "accelerator"
+PCI_DEVICE = "pciDevice"
+PCI_DEVICE_DEFAULT_DRIVERS = ("vfio-pci",)
+CLASS_CODE_DIGITS = 6
 
 
 def pick_pf_entry(entries: tuple[str, ...], pf: str) -> str | None:
@@ -98,8 +108,11 @@ class PciSelector:
     root_devices: tuple[str, ...] = ()
     link_types: tuple[str, ...] = ()
     ddp_profiles: tuple[str, ...] = ()
+    classes: tuple[str, ...] = ()
     is_rdma: bool = False
     need_vhost_net: bool = False
+    # pciDevice: a PF without a netdev is named in pfNames by its PCI address
+    pf_named_by_address: bool = False
 
     def matches(self, device: PciDevice, ddp_profile: Callable[[str], str | None]) -> bool:
         if self.vendors and device.vendor not in self.vendors:
@@ -112,8 +125,11 @@ class PciSelector:
             return False
         if self.acpi_indexes and device.acpi_index not in self.acpi_indexes:
             return False
+        if self.classes and not device.class_code.startswith(self.classes):
+            return False
         if self.pf_names:
-            entry = pick_pf_entry(self.pf_names, device.pf_netdev) if device.pf_netdev else None
+            pf_name = device.pf_netdev or (device.pf_address if self.pf_named_by_address else None)
+            entry = pick_pf_entry(self.pf_names, pf_name) if pf_name else None
             if entry is None or not index_selected(entry, device.vf_index):
                 return False
         if self.root_devices:
@@ -138,18 +154,29 @@ def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
         "drivers": selector.string_list("drivers"),
         "pci_addresses": selector.string_list("pciAddresses"),
     }
-    if device_type != NET_DEVICE:
+    if device_type == PCI_DEVICE:
+        parsed = PciSelector(
+            **{**common, "drivers": common["drivers"] or PCI_DEVICE_DEFAULT_DRIVERS},
+            classes=parse_classes(selector),
+            pf_names=selector.string_list("pfNames"),
+            root_devices=selector.string_list("rootDevices"),
+            pf_named_by_address=True,
+        )
+    elif device_type == NET_DEVICE:
+        parsed = PciSelector(
+            **common,
+            acpi_indexes=selector.string_list("acpiIndexes"),
+            pf_names=selector.string_list("pfNames"),
+            root_devices=selector.string_list("rootDevices"),
+            link_types=selector.string_list("linkTypes"),
+            ddp_profiles=selector.string_list("ddpProfiles"),
+            is_rdma=selector.get("isRdma", bool, False),
+            need_vhost_net=selector.get("needVhostNet", bool, False),
+        )
+        if len(parsed.link_types) > 1:
+            log.warning("%s: more than one link type given", selector.path_of("linkTypes"))
+    else:
         return PciSelector(**common)
-    parsed = PciSelector(
-        **common,
-        acpi_indexes=selector.string_list("acpiIndexes"),
-        pf_names=selector.string_list("pfNames"),
-        root_devices=selector.string_list("rootDevices"),
-        link_types=selector.string_list("linkTypes"),
-        ddp_profiles=selector.string_list("ddpProfiles"),
-        is_rdma=selector.get("isRdma", bool, False),
-        need_vhost_net=selector.get("needVhostNet", bool, False),
-    )
     for key, entries in (("pfNames", parsed.pf_names), ("rootDevices", parsed.root_devices)):
         for position, entry in enumerate(entries):
             if problem := entry_problem(entry):
@@ -157,6 +184,19 @@ def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
                     "%s[%d]: %r: %s",
                     selector.path_of(key), position, entry, problem,
                 )
-    if len(parsed.link_types) > 1:
-        log.warning("%s: more than one link type given", selector.path_of("linkTypes"))
     return parsed
+
+
+def parse_classes(selector: ConfigObject) -> tuple[str, ...]:
+    """``classes``: hex prefixes (an optional ``0x``, 1 to 6 digits) of the class code, lower-cased
+    as sysfs's ``class`` file is read; anything else is a ConfigError naming the entry."""
+    prefixes = []
+    for position, text in enumerate(selector.string_list("classes")):
+        digits = text[2:] if text[:2].lower() == "0x" else text
+        if not digits or len(digits) > CLASS_CODE_DIGITS or not all(c in "0123456789abcdefABCDEF" for c in digits):
+            raise ConfigError(
+                f"{selector.path_of('classes')}[{position}]",
+                f"{text!r} is not a class code prefix (1 to {CLASS_CODE_DIGITS} hex digits, e.g. \"0108\" for NVMe)",
+            )
+        prefixes.append(digits.lower())
+    return tuple(prefixes)
