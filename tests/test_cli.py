@@ -29,6 +29,11 @@ BAD_CONFIGS = [
      "$.resourceList[0].selectors.vendors: must be a list, not '8086'"),
     (json.dumps({"resourceList": [{"resourceName": "x", "excludeTopology": "yes", "selectors": {}}]}),
      "$.resourceList[0].excludeTopology: must be a boolean"),
+    (json.dumps({"resourceList": [{"resourceName": "x", "deviceType": "pciDevice",
+                                   "selectors": [{}, {"classes": ["0108", "nvme"]}]}]}),
+     "$.resourceList[0].selectors[1].classes[1]: 'nvme' is not a class code prefix"),
+    (json.dumps({"resourceList": [{"resourceName": "x", "allocationPolicy": "tight", "selectors": {}}]}),
+     "$.resourceList[0].allocationPolicy: unknown allocation policy 'tight' (expected one of: packed, spread)"),
 ]
 
 

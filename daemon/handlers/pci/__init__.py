@@ -1,5 +1,10 @@
 """PCI functions for ``netDevice`` and ``accelerator`` pools, compatible with the SR-IOV network
-device plugin: its selectors, first-match-wins rule, env vars, ``_INFO`` and device-info files."""
+device plugin (its selectors, first-match-wins rule, env vars, ``_INFO`` and device-info files),
+and for ``pciDevice`` pools of any function handed whole to a vfio workload.
+
+Every PCI pool may set ``allocationPolicy`` (``packed`` or ``spread``) to be offered the
+kubelet's GetPreferredAllocation. At Allocate the driver and IOMMU group of each vfio device are
+read again, so a group that changed since the last uevent is never handed out stale."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from dataclasses import replace
 from typing import ClassVar
 
 from daemon.core import (
+    AllocationError,
+    ConfigError,
     ConfiguredPool,
     ContainerAllocation,
     DeviceMap,
@@ -23,18 +30,27 @@ from daemon.core import (
     UEvent,
 )
 
-from ._allocation import allocation_envs, remove_devinfo_files, write_devinfo_file
-from ._discovery import PciFacts, scan_pci
+from ._allocation import (
+    VFIO_DRIVER,
+    PciDetails,
+    allocation_envs,
+    remove_devinfo_files,
+    vfio_specs,
+    with_vfio_binding,
+    write_devinfo_file,
+)
+from ._discovery import PciFacts, read_vfio_binding, scan_pci
 from ._folding import RDMA_SUBSYSTEMS, fold_links, fold_uevent
 from ._pools import PciPoolSpec, PoolBuilder
-from ._selectors import ACCELERATOR, NET_DEVICE, parse_selector
+from ._preferred import POLICIES, preferred_devices
+from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 log = logging.getLogger("devplugd.pci")
 
 
 class PciHandler:
     name: ClassVar[str] = "pci"
-    device_types: ClassVar[frozenset[str]] = frozenset({NET_DEVICE, ACCELERATOR})
+    device_types: ClassVar[frozenset[str]] = frozenset({NET_DEVICE, ACCELERATOR, PCI_DEVICE})
     subsystems: ClassVar[frozenset[str]] = frozenset({"pci", "net", "uio", *RDMA_SUBSYSTEMS})
     wants_links: ClassVar[bool] = True
 
@@ -46,10 +62,17 @@ class PciHandler:
         self._builder = PoolBuilder(self._dev_root)
 
     def parse_pool(self, entry: PoolEntry) -> PciPoolSpec:
+        policy = entry.raw.get("allocationPolicy", str, "") or None
+        if policy is not None and policy not in POLICIES:
+            raise ConfigError(
+                entry.raw.path_of("allocationPolicy"),
+                f"unknown allocation policy {policy!r} (expected one of: {', '.join(POLICIES)})",
+            )
         return PciPoolSpec(
             device_type=entry.device_type,
             selectors=tuple(parse_selector(selector, entry.device_type) for selector in entry.selectors),
             check_health_on_pf=entry.raw.get("checkHealthOnPf", bool, True),
+            allocation_policy=policy,
         )
 
     def scan(self) -> PciFacts:
@@ -73,11 +96,50 @@ class PciHandler:
     ) -> ContainerAllocation:
         entry: PoolEntry = pool.pool_config.entry
         details = {device_id: pool.devices[device_id].details for device_id in device_ids}
+        for device_id, record in details.items():
+            if record.device.driver == VFIO_DRIVER:
+                details[device_id] = self._current_vfio(pool.resource, record, allocation)
         allocation.envs.update(allocation_envs(entry.resource_prefix, entry.resource_name, device_ids, details))
         if entry.device_type == NET_DEVICE:
             for device_id in device_ids:
                 write_devinfo_file(self._context.devinfo_dir, pool.resource, details[device_id])
         return allocation
+
+    def _current_vfio(self, resource: str, details: PciDetails, allocation: ContainerAllocation) -> PciDetails:
+        """``details`` checked against the driver and group links as they are now; a changed
+        group replaces the stale one in ``allocation``; a device no longer bound is refused."""
+        address = details.device.address
+        binding = read_vfio_binding(self._sysfs_root, address)
+        if binding is None:
+            raise AllocationError(f"{address}: the device is gone from sysfs")
+        if binding.driver != VFIO_DRIVER or binding.iommu_group is None:
+            now = f"bound to {binding.driver}" if binding.driver else "not bound to a driver"
+            raise AllocationError(f"{address}: no longer usable through vfio ({now}, "
+                                  f"IOMMU group {binding.iommu_group or 'none'})")
+        if (binding.iommu_group, binding.noiommu) == (details.device.iommu_group, details.device.noiommu):
+            return details
+        fresh = with_vfio_binding(details, binding)
+        log.warning("%s: IOMMU group changed from %s to %s since it was last read; handing out the new one",
+                    address, details.device.iommu_group, binding.iommu_group,
+                    extra={"PCI_ADDR": address, "RESOURCE": resource})
+        stale_specs, fresh_specs = vfio_specs(details.device), vfio_specs(fresh.device)
+        replacements = dict(zip(stale_specs, fresh_specs))
+        allocation.specs[:] = list(dict.fromkeys(replacements.get(spec, spec) for spec in allocation.specs))
+        return fresh
+
+    # PreferredAllocator: offered only when the pool sets an allocation policy.
+    def offers_preferred_allocation(self, pool: ResourcePool) -> bool:
+        spec: PciPoolSpec = pool.pool_config.spec
+        return spec.allocation_policy is not None
+
+    def preferred_allocation(
+        self, pool: ResourcePool, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        spec: PciPoolSpec = pool.pool_config.spec
+        if spec.allocation_policy is None:
+            raise AllocationError(f"{pool.resource} has no allocationPolicy")
+        facts = {device_id: info.details.device for device_id, info in pool.devices.items()}
+        return preferred_devices(spec.allocation_policy, facts, available, must_include, size)
 
     # PoolLifecycle: device-info files are cleaned when pools start and stop, as upstream does.
     def pools_started(self, pools: Sequence[ConfiguredPool]) -> None:

@@ -1,0 +1,108 @@
+"""The real daemon serving ``pciDevice`` pools to the kubelet stand-in: bind uevents bring a
+function in, GetPreferredAllocation is offered only with a policy, a bad policy on reload is
+refused while the old pools stay served."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
+from tests.fakesysfs import FakeHost
+from tests.test_daemon_events import Seam
+
+PF_A, PF_B = "0000:01:00.0", "0000:02:00.0"
+NVME_CLASS = "010802"
+
+
+def vfs_of(pf: str, count: int) -> list[str]:
+    return [f"{pf[:-1]}{index + 1}" for index in range(count)]
+
+
+def add_nvme_pf(host: FakeHost, pf: str, vf_count: int, first_group: int, bound: int) -> list[str]:
+    """An emulated-NVMe-like PF (no netdev) whose first ``bound`` VFs are bound to vfio-pci."""
+    host.add_pf(pf, netdev=None, vendor="1b36", device="0010", class_code=NVME_CLASS, driver="nvme",
+                bridge=f"0000:00:0{pf[6]}.0", total_vfs=8)
+    addresses = vfs_of(pf, vf_count)
+    host.add_vfs(pf, addresses, driver=None, vendor="1b36", device="0010",
+                 iommu_groups=[first_group + index for index in range(vf_count)])
+    for index, address in enumerate(addresses):
+        host.set_file(address, "class", f"0x{NVME_CLASS}\n")
+        if index < bound:
+            host.bind(address, "vfio-pci")
+    return addresses
+
+
+CONFIG = {"resourceList": [
+    {"resourceName": "nvme_a", "deviceType": "pciDevice", "allocationPolicy": "packed",
+     "selectors": {"classes": ["0108"], "rootDevices": [PF_A]}},
+    {"resourceName": "nvme_rest", "deviceType": "pciDevice", "selectors": {"classes": ["0108"]}},
+]}
+
+
+@pytest.fixture
+def seam(short_tmp: Path) -> Seam:
+    return Seam(short_tmp / "uevents.sock")
+
+
+def start(run_daemon, seam: Seam, config: dict = CONFIG):
+    daemon = run_daemon(config, "--uevent-source", f"unix:{seam.path}")
+    seam.wait_ready()
+    return daemon
+
+
+def test_a_bind_uevent_brings_a_vf_in_with_its_group(host, kubelet, run_daemon, seam):
+    vfs = add_nvme_pf(host, PF_A, 3, first_group=10, bound=1)
+    start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/nvme_a", 1)
+    host.bind(vfs[2], "vfio-pci")
+    seam.send("bind", host.devpath(vfs[2]), "pci", DRIVER="vfio-pci", PCI_SLOT_NAME=vfs[2])
+    state = kubelet.wait_for_devices("intel.com/nvme_a", 2)
+    assert state.healthy == {vfs[0], vfs[2]}
+    response = kubelet.allocate("intel.com/nvme_a", [vfs[2]])
+    specs = [(spec.container_path, spec.host_path) for spec in response.container_responses[0].devices]
+    assert specs == [("/dev/vfio/vfio", "/dev/vfio/vfio"), ("/dev/vfio/12", "/dev/vfio/12")]
+    assert response.container_responses[0].envs["PCIDEVICE_INTEL_COM_NVME_A"] == vfs[2]
+    host.unbind(vfs[0])
+    seam.send("unbind", host.devpath(vfs[0]), "pci", PCI_SLOT_NAME=vfs[0])
+    assert kubelet.wait_for_devices("intel.com/nvme_a", 1).healthy == {vfs[2]}
+
+
+def test_preferred_allocation_is_offered_only_with_a_policy(host, kubelet, run_daemon, seam):
+    vfs_a = add_nvme_pf(host, PF_A, 4, first_group=10, bound=4)
+    vfs_b = add_nvme_pf(host, PF_B, 4, first_group=20, bound=4)
+    start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/nvme_a", 4)
+    kubelet.wait_for_devices("intel.com/nvme_rest", 4)
+    assert kubelet.offers_preferred_allocation("intel.com/nvme_a")
+    assert not kubelet.offers_preferred_allocation("intel.com/nvme_rest")
+    # Case B as the kubelet sends it: everything free, one device reused from an init container.
+    chosen = kubelet.preferred_allocation("intel.com/nvme_a", available=vfs_a, must_include=[vfs_a[2]], size=3)
+    assert chosen[0] == vfs_a[2] and len(set(chosen)) == 3 and set(chosen) <= set(vfs_a)
+    assert chosen == kubelet.preferred_allocation("intel.com/nvme_a", available=vfs_a[::-1],
+                                                  must_include=[vfs_a[2]], size=3)
+    with pytest.raises(grpc.RpcError) as refused:
+        request = dp.PreferredAllocationRequest(container_requests=[dp.ContainerPreferredAllocationRequest(
+            available_deviceIDs=vfs_b, allocation_size=1)])
+        kubelet.call("intel.com/nvme_rest", "GetPreferredAllocation", request)
+    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_an_unknown_policy_on_reload_is_refused_and_the_pools_stay(host, kubelet, run_daemon, seam, short_tmp):
+    vfs = add_nvme_pf(host, PF_A, 2, first_group=10, bound=1)
+    daemon = start(run_daemon, seam)
+    kubelet.wait_for_devices("intel.com/nvme_a", 1)
+    broken = json.loads(json.dumps(CONFIG))
+    broken["resourceList"][0]["allocationPolicy"] = "random"
+    (short_tmp / "config-0.json").write_text(json.dumps(broken))
+    daemon.process.send_signal(signal.SIGHUP)
+    daemon.wait_for_log("config reload refused, still serving the previous config")
+    assert "$.resourceList[0].allocationPolicy: unknown allocation policy 'random'" in daemon.log
+    host.bind(vfs[1], "vfio-pci")
+    seam.send("bind", host.devpath(vfs[1]), "pci", DRIVER="vfio-pci")
+    kubelet.wait_for_devices("intel.com/nvme_a", 2)
+    assert kubelet.offers_preferred_allocation("intel.com/nvme_a")
