@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "seam_latency": (),
     "burst": (),
     "idle": ("--seconds", "20"),
+    "guest_bind": (),
 }
 TIMEOUT = 300.0
 
