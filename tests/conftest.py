@@ -109,3 +109,15 @@ def run_daemon(short_tmp: Path, host: FakeHost) -> Iterator[Callable[..., Daemon
         if daemon.process.poll() is None:
             daemon.process.send_signal(signal.SIGKILL)
             daemon.process.wait()
+
+
+def report_line(request: pytest.FixtureRequest, line: str) -> None:
+    """Print ``line`` in a normal run, not only on failure as captured output is (timings of the
+    e2e and guest tests are worth seeing in CI)."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        print(line)
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line)

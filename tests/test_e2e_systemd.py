@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import report_line
 from tests.e2e import BookwormImage, Container, cgroup_layout
 from tests.e2e._host import ensure_host_tools
 from tests.e2e.package import DebBuild, deb_fields, file_list, install_in_chroot, relations, tree_file_list, venv_python
@@ -67,15 +68,6 @@ class Deployment:
         assert_became_active(start_and_trace(self.container, UNIT, timeout=30), 30)
 
 
-def _report(request: pytest.FixtureRequest, line: str) -> None:
-    """Shown in a normal run (not only on failure, as captured output is)."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        print(line)
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(line)
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +99,10 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
     deployment.timings["module"] = time.monotonic() - started
     layout, _ = cgroup_layout()
     meta = BookwormImage.metadata(image.base())
-    _report(request, f"\ne2e: {deb.name}; cgroup layout {layout}; base image "
+    report_line(request, f"\ne2e: {deb.name}; cgroup layout {layout}; base image "
                      f"{meta.get('tarball_bytes', 0) / 1e6:.0f} MB packed, {meta.get('unpacked_bytes', 0) / 1e6:.0f} MB "
                      f"unpacked, built in {meta.get('built_seconds')} s")
-    _report(request, "e2e timings (s): "
+    report_line(request, "e2e timings (s): "
                      + ", ".join(f"{name} {value:.2f}" for name, value in deployment.timings.items()))
 
 
@@ -159,7 +151,7 @@ def test_start_to_active_within_target(deployment: Deployment, request: pytest.F
         measured.append((by_systemd, wall))
     best = min(by_systemd for by_systemd, _ in measured)
     deployment.timings["start_to_active_best"] = best
-    _report(request, "e2e: systemctl start -> active (systemd's timestamps / wall incl. nsenter): "
+    report_line(request, "e2e: systemctl start -> active (systemd's timestamps / wall incl. nsenter): "
                      + ", ".join(f"{s:.2f}/{w:.2f}" for s, w in measured) + f"; target <= {START_TARGET}")
     assert best <= START_TARGET, measured
 
@@ -311,7 +303,7 @@ def test_watchdog_restarts_a_wedged_daemon(deployment: Deployment, request: pyte
         systemd_says = [message(e) for e in journal(container, unit=UNIT, after=cursor) if e.get("_PID") == "1"]
         assert any("Watchdog timeout" in line for line in systemd_says), systemd_says
         assert any("ABRT" in line for line in systemd_says), systemd_says
-        _report(request, f"e2e: watchdog: wedged -> active again in {deployment.timings['wedge_to_active_again']:.1f}"
+        report_line(request, f"e2e: watchdog: wedged -> active again in {deployment.timings['wedge_to_active_again']:.1f}"
                          f" s (MainPID {before.main_pid} -> {after.main_pid}, "
                          f"NRestarts {before.restarts} -> {after.restarts})")
     finally:

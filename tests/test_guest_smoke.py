@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import report_line
 from tests.guest import GuestResult, guest_python, run_in_guest
 
 PF_VFS = [4, 8]  # sriov_totalvfs of the two PFs (8 > 7: the second PF's last VF needs ARI)
@@ -84,15 +85,6 @@ print("guest smoke: done")
 '''
 
 
-def _report(request: pytest.FixtureRequest, line: str) -> None:
-    """Shown in a normal run, not only on failure (the guest's timings are worth seeing in CI)."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        print(line)
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(line)
 
 
 def _result_json(result: GuestResult) -> dict[str, Any]:
@@ -111,7 +103,7 @@ def test_guest_has_real_sriov_vfio_and_the_project_imports(
 
     result = run_in_guest(guest_python(share / "smoke.py"), pfs=PF_VFS, share=share, timeout=150)
     seen = _result_json(result)
-    _report(request, f"guest: boot to command {result.boot_seconds:.1f} s, command {result.command_seconds:.1f} s "
+    report_line(request, f"guest: boot to command {result.boot_seconds:.1f} s, command {result.command_seconds:.1f} s "
                      f"(import daemon, grpc, trio {seen['import_seconds']:.1f} s, then pyudev "
                      f"{seen['more_import_seconds']:.1f} s), "
                      f"QEMU wall {result.wall_seconds:.1f} s, kernel {seen['versions']['kernel']}")

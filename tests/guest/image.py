@@ -20,8 +20,6 @@ the recipe (init script, module list, format): a different recipe means a rebuil
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import lzma
@@ -34,9 +32,11 @@ import subprocess
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.e2e._host import locked
 
 CACHE_ROOT = Path(os.environ.get("DEVPLUGD_GUEST_CACHE", "/var/cache/devplugd-guest"))
 KERNEL_METAPACKAGE = "linux-image-amd64"
@@ -109,7 +109,7 @@ def _ensure_image() -> GuestImage:
     check_host_tools()
     package = resolve_kernel_package()
     destination = CACHE_ROOT / package.kernel_version
-    with _locked(CACHE_ROOT / ".lock"):
+    with locked(CACHE_ROOT / ".lock"):
         _remove_stale_builds(CACHE_ROOT)
         cached = _load_cached(destination, package.version)
         if cached is not None:
@@ -355,17 +355,6 @@ def _remove_stale_builds(cache_root: Path) -> None:
     """Under the lock no build is running: ``.build-*``/``.old-*`` are leftovers of killed runs."""
     for leftover in [*cache_root.glob(".build-*"), *cache_root.glob(".old-*")]:
         shutil.rmtree(leftover, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)
