@@ -28,6 +28,8 @@ import grpc
 import trio
 from trio_asyncio import aio_as_trio
 
+from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
+
 from ._handler import Handler
 from ._notifier import Notifier
 from ._servicer import (
@@ -97,6 +99,7 @@ class Kick:
         self.kubelet_started = False
         self.removed_sockets: set[str] = set()
         self.registration_failed = ""
+        self.options_changed = False
 
     def set(self) -> None:
         self._event.set()
@@ -110,6 +113,7 @@ class Kick:
         self.kubelet_started = False
         self.removed_sockets = set()
         self.registration_failed = ""
+        self.options_changed = False
 
 
 class ResourceEndpoint:
@@ -137,6 +141,8 @@ class ResourceEndpoint:
         self.registered = False
         self._generation = 0
         self._start_token = f"{int(time.time() * 1000):x}"
+        self._servicer: DevicePluginServicer | None = None
+        self._served_options: dp.DevicePluginOptions | None = None
 
     def _next_socket_path(self) -> Path:
         if self._mode == "watcher":
@@ -153,6 +159,15 @@ class ResourceEndpoint:
     def socket_removed(self, path: str) -> None:
         self.kick.removed_sockets.add(path)
         self.kick.set()
+
+    def check_options(self) -> None:
+        """After a new tree: the kubelet reads the options (GetPreferredAllocation offered or not)
+        only when a plugin registers, so options changed by a reload mean serving again."""
+        if self._servicer is None or self._served_options is None:
+            return
+        if self._servicer.options() != self._served_options:
+            self.kick.options_changed = True
+            self.kick.set()
 
     def _registration_status(self, registered: bool, error: str) -> None:
         if registered:
@@ -188,12 +203,14 @@ class ResourceEndpoint:
                 await trio.sleep(delay)
                 continue
             self.socket_path = socket_path
+            self._servicer, self._served_options = servicer, servicer.options()
             log.info("serving %s on %s", self.resource, socket_path, extra={"RESOURCE": self.resource})
             self._on_change()
             try:
                 await self._hold(socket_path, servicer, backoff)
             finally:
                 self.registered = False
+                self._servicer = self._served_options = None
                 servicer.close_streams()
                 with trio.CancelScope(shield=True):
                     await aio_as_trio(server.stop)(STOP_GRACE)
@@ -220,6 +237,10 @@ class ResourceEndpoint:
                 log.warning("socket %s was removed: serving %s again", socket_path, self.resource,
                             extra={"RESOURCE": self.resource})
                 return
+            if kick.options_changed:
+                log.info("options of %s changed: serving it again so that the kubelet reads them", self.resource,
+                         extra={"RESOURCE": self.resource})
+                return
             if kick.registration_failed:
                 delay = backoff.next_delay()
                 log.error("kubelet refused %s: %s; serving again in %.1fs", self.resource, kick.registration_failed,
@@ -230,12 +251,14 @@ class ResourceEndpoint:
 
     async def _register(self, socket_path: Path, servicer: DevicePluginServicer, backoff: Backoff) -> float:
         """Register once; return when to try again (``inf`` once registered)."""
+        options = servicer.options()
+        self._served_options = options
         try:
             await aio_as_trio(register_with_kubelet)(
                 str(self._settings.kubelet_socket),
                 socket_path.name,
                 self.resource,
-                servicer.options(),
+                options,
                 self._settings.register_timeout,
             )
         except grpc.aio.AioRpcError as error:

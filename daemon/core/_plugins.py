@@ -2,7 +2,8 @@
 
 ``sync(tree)`` is called after every new tree. A resource gets its server the first time its pool
 has a device (the kubelet never sees an empty first list from us) and keeps it until the pool
-leaves the config. Kubelet events are passed to every endpoint, which decides for itself.
+leaves the config; it is served again (and registers again) when its options change, as a
+reloaded ``allocationPolicy`` does, since the kubelet reads them only at registration. Kubelet events are passed to every endpoint, which decides for itself.
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ class PluginManager:
                          extra={"RESOURCE": resource})
                 current[1].cancel()
                 del self._endpoints[resource]
-            if resource in self._endpoints or not pool.devices:
+            if current is not None and resource in self._endpoints:
+                current[0].check_options()
+                continue
+            if not pool.devices:
                 continue
             endpoint = ResourceEndpoint(
                 resource, pool.handler, self._handlers[pool.handler], self._notifier, self._settings, self.mode,
