@@ -18,7 +18,7 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
-from daemon.core import ConfigChanged, Event, HandlerContext, LeasesChanged, Resync
+from daemon.core import ConfigChanged, Event, HandlerContext, HostChanges, LeasesChanged, Resync
 from daemon.core._cdi import CdiWriter
 from daemon.core._host import HostServicer, serve_control_socket
 from daemon.core._leases import LeaseBook
@@ -45,25 +45,29 @@ REGISTRATION_WAIT = 10.0
 TEST_HANG_ENV = "DEVPLUGD_TEST_HANG_SIGNAL"
 
 
-def handler_context(settings: Settings) -> HandlerContext:
+def handler_context(settings: Settings, host_changes: HostChanges | None = None) -> HandlerContext:
     return HandlerContext(
         sysfs_root=settings.sysfs_root,
         dev_root=settings.dev_root,
         proc_root=settings.proc_root,
         devinfo_dir=settings.devinfo_dir,
+        host_changes=host_changes or HostChanges(),
     )
 
 
-def load(settings: Settings, config_path: Path | None = None) -> tuple[dict[str, Handler], DaemonConfig]:
+def load(
+    settings: Settings, config_path: Path | None = None, host_changes: HostChanges | None = None
+) -> tuple[dict[str, Handler], DaemonConfig]:
     """Find the handlers and validate the config with them. Raises ConfigFileError."""
-    handlers = load_handlers(handler_context(settings))
+    handlers = load_handlers(handler_context(settings, host_changes))
     config = load_config(config_path or settings.config_path, settings.resource_prefix, parser_table(handlers))
     return handlers, config
 
 
 def run(settings: Settings) -> int:
+    host_changes = HostChanges()
     try:
-        handlers, config = load(settings)
+        handlers, config = load(settings, host_changes=host_changes)
     except ConfigFileError as error:
         log.error("%s", error, extra={"CONFIG_PATH": error.json_path})
         return EXIT_BAD_CONFIG
@@ -78,7 +82,7 @@ def run(settings: Settings) -> int:
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)
     log.info("config %s: %d pools", config.source, len(config.pools))
-    trio.run(_serve, settings, handlers, config)
+    trio.run(_serve, settings, handlers, config, host_changes)
     return EXIT_OK
 
 
@@ -92,7 +96,9 @@ def uevent_subsystems(handlers: dict[str, Handler]) -> frozenset[str]:
     return frozenset(wanted)
 
 
-async def _serve(settings: Settings, handlers: dict[str, Handler], config: DaemonConfig) -> None:
+async def _serve(
+    settings: Settings, handlers: dict[str, Handler], config: DaemonConfig, host_changes: HostChanges
+) -> None:
     service = ServiceManager()
     leases = LeaseBook(settings.state_dir)
     leases.load()
@@ -124,6 +130,7 @@ async def _serve(settings: Settings, handlers: dict[str, Handler], config: Daemo
                 plugins.on_change = report_status
                 nursery.start_soon(kernel.run, receive_channel)
                 nursery.start_soon(cdi.run)
+                host_changes.connect(lambda event: nursery.start_soon(send_channel.send, event))
                 host_api = HostServicer(
                     notifier, handlers, leases, settings.device_plugin_dir,
                     lambda: nursery.start_soon(send_channel.send, LeasesChanged("lease")),

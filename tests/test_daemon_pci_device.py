@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import json
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
+from tests.conftest import DaemonProcess
 from tests.fakesysfs import FakeHost
+from tests.kubelet import FakeKubelet
 from tests.test_daemon_events import Seam
 
 PF_A, PF_B = "0000:01:00.0", "0000:02:00.0"
@@ -44,18 +49,27 @@ CONFIG = {"resourceList": [
 ]}
 
 
+def two_pf_config(policy: str | None) -> dict[str, Any]:
+    pool: dict[str, Any] = {"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {"classes": ["0108"]}}
+    if policy is not None:
+        pool["allocationPolicy"] = policy
+    return {"resourceList": [pool]}
+
+
 @pytest.fixture
 def seam(short_tmp: Path) -> Seam:
     return Seam(short_tmp / "uevents.sock")
 
 
-def start(run_daemon, seam: Seam, config: dict = CONFIG):
+def start(run_daemon: Callable[..., DaemonProcess], seam: Seam, config: dict[str, Any] = CONFIG) -> DaemonProcess:
     daemon = run_daemon(config, "--uevent-source", f"unix:{seam.path}")
     seam.wait_ready()
     return daemon
 
 
-def test_a_bind_uevent_brings_a_vf_in_with_its_group(host, kubelet, run_daemon, seam):
+def test_a_bind_uevent_brings_a_vf_in_with_its_group(
+    host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam
+) -> None:
     vfs = add_nvme_pf(host, PF_A, 3, first_group=10, bound=1)
     start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/nvme_a", 1)
@@ -72,19 +86,16 @@ def test_a_bind_uevent_brings_a_vf_in_with_its_group(host, kubelet, run_daemon, 
     assert kubelet.wait_for_devices("intel.com/nvme_a", 1).healthy == {vfs[2]}
 
 
-def test_preferred_allocation_is_offered_only_with_a_policy(host, kubelet, run_daemon, seam):
-    vfs_a = add_nvme_pf(host, PF_A, 4, first_group=10, bound=4)
+def test_preferred_allocation_is_offered_only_with_a_policy(
+    host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam
+) -> None:
+    add_nvme_pf(host, PF_A, 4, first_group=10, bound=4)
     vfs_b = add_nvme_pf(host, PF_B, 4, first_group=20, bound=4)
     start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/nvme_a", 4)
     kubelet.wait_for_devices("intel.com/nvme_rest", 4)
     assert kubelet.offers_preferred_allocation("intel.com/nvme_a")
     assert not kubelet.offers_preferred_allocation("intel.com/nvme_rest")
-    # Case B as the kubelet sends it: everything free, one device reused from an init container.
-    chosen = kubelet.preferred_allocation("intel.com/nvme_a", available=vfs_a, must_include=[vfs_a[2]], size=3)
-    assert chosen[0] == vfs_a[2] and len(set(chosen)) == 3 and set(chosen) <= set(vfs_a)
-    assert chosen == kubelet.preferred_allocation("intel.com/nvme_a", available=vfs_a[::-1],
-                                                  must_include=[vfs_a[2]], size=3)
     with pytest.raises(grpc.RpcError) as refused:
         request = dp.PreferredAllocationRequest(container_requests=[dp.ContainerPreferredAllocationRequest(
             available_deviceIDs=vfs_b, allocation_size=1)])
@@ -92,7 +103,56 @@ def test_preferred_allocation_is_offered_only_with_a_policy(host, kubelet, run_d
     assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_an_unknown_policy_on_reload_is_refused_and_the_pools_stay(host, kubelet, run_daemon, seam, short_tmp):
+def test_packed_fills_one_pf_and_spread_alternates_as_the_kubelet_asks(
+    host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam, short_tmp: Path
+) -> None:
+    vfs_a = add_nvme_pf(host, PF_A, 4, first_group=10, bound=4)
+    vfs_b = add_nvme_pf(host, PF_B, 4, first_group=20, bound=4)
+    daemon = start(run_daemon, seam, two_pf_config("packed"))
+    kubelet.wait_for_devices("intel.com/nvme", 8)
+    assert kubelet.offers_preferred_allocation("intel.com/nvme")
+    every = vfs_a + vfs_b
+    # Case B, nothing reused: two devices from one PF (ties: lower PCI address), in any order asked
+    assert kubelet.preferred_allocation("intel.com/nvme", every[::-1], [], 2) == vfs_a[:2]
+    # one reused device of PF B: the rest comes from PF B too
+    assert kubelet.preferred_allocation("intel.com/nvme", every, [vfs_b[3]], 3) == [vfs_b[3], *vfs_b[:2]]
+    # PF A fully free, PF B with two free: one device comes from the fuller PF B, keeping A whole
+    assert kubelet.preferred_allocation("intel.com/nvme", vfs_a + vfs_b[2:], [], 1) == [vfs_b[2]]
+
+    # packed -> spread: the option stays on, so the same registration answers with the new policy
+    (short_tmp / "config-0.json").write_text(json.dumps(two_pf_config("spread")))
+    daemon.process.send_signal(signal.SIGHUP)
+    daemon.wait_for_log("config reloaded")
+    assert kubelet.preferred_allocation("intel.com/nvme", every, [], 4) == [vfs_a[0], vfs_b[0], vfs_a[1], vfs_b[1]]
+    assert kubelet.state("intel.com/nvme").registrations == 1
+
+
+def test_a_policy_removed_on_reload_is_no_longer_offered(
+    host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam, short_tmp: Path
+) -> None:
+    add_nvme_pf(host, PF_A, 2, first_group=10, bound=2)
+    daemon = start(run_daemon, seam, two_pf_config("packed"))
+    kubelet.wait_for_devices("intel.com/nvme", 2)
+    assert kubelet.offers_preferred_allocation("intel.com/nvme")
+    (short_tmp / "config-0.json").write_text(json.dumps(two_pf_config(None)))
+    daemon.process.send_signal(signal.SIGHUP)
+    kubelet.wait_for(lambda k: k.state("intel.com/nvme").registrations == 2 and k.state("intel.com/nvme").connected,
+                     what="re-registered after the reload")
+    assert not kubelet.offers_preferred_allocation("intel.com/nvme")
+    assert "options of intel.com/nvme changed: serving it again" in daemon.log
+    (short_tmp / "config-0.json").write_text(json.dumps(two_pf_config(None)))
+    daemon.process.send_signal(signal.SIGHUP)  # the same options again: nothing to redo
+    deadline = time.monotonic() + 10
+    while daemon.log.count("config reloaded") < 2:
+        assert time.monotonic() < deadline, daemon.log
+        time.sleep(0.02)
+    time.sleep(0.3)  # a needless re-registration would follow the reload within milliseconds
+    assert kubelet.state("intel.com/nvme").registrations == 2
+
+
+def test_an_unknown_policy_on_reload_is_refused_and_the_pools_stay(
+    host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam, short_tmp: Path
+) -> None:
     vfs = add_nvme_pf(host, PF_A, 2, first_group=10, bound=1)
     daemon = start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/nvme_a", 1)

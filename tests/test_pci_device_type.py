@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from daemon.core import AllocationError, DeviceSpec, UEvent
+from daemon.core import AllocationError, DeviceSpec, HandlerContext, HostChanges, UEvent
+from daemon.core._servicer import allocate_container
+from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
 from tests.test_pci_handler import Pci
 
@@ -177,3 +179,41 @@ def test_an_unknown_allocation_policy_is_refused_with_its_json_path(pci: Pci) ->
                        "allocationPolicy": "fastest"})
     assert "resourceList[0].allocationPolicy" in str(refused.value)
     assert "unknown allocation policy 'fastest' (expected one of: packed, spread)" in str(refused.value)
+
+
+def test_a_group_change_keeps_the_node_of_a_device_still_in_the_old_group(pci: Pci, host: FakeHost) -> None:
+    add_nvme(host, ["vfio-pci", "vfio-pci"])
+    host.set_iommu_group(NVME_VFS[1], 10)  # both VFs in group 10, as functions behind one bridge are
+    pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
+    host.set_iommu_group(NVME_VFS[0], 31)
+    allocation = pci.allocate(pool, [NVME_VFS[0], NVME_VFS[1]])
+    assert allocation.specs == [VFIO, DeviceSpec("/dev/vfio/31", "/dev/vfio/31"),
+                                DeviceSpec("/dev/vfio/10", "/dev/vfio/10")]
+    info = json.loads(allocation.envs["PCIDEVICE_INTEL_COM_NVME_INFO"])
+    assert [info[vf]["vfio"]["dev-mount"] for vf in NVME_VFS[:2]] == ["/dev/vfio/31", "/dev/vfio/10"]
+
+
+def test_a_group_change_is_reported_for_a_re_read_and_kept_out_of_cdi(host: FakeHost, short_tmp: Path) -> None:
+    reports: list[Any] = []
+    changes = HostChanges()
+    changes.connect(reports.append)
+    pci = Pci(host, short_tmp / "devinfo", PciHandler(HandlerContext(host.sys, host.dev, host.proc,
+                                                                     short_tmp / "devinfo", changes)))
+    add_nvme(host, ["vfio-pci", "vfio-pci"])
+    pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
+    host.set_iommu_group(NVME_VFS[1], 32)
+    allocation = allocate_container(pci.handler, pool, NVME_VFS[:2], with_cdi=True)
+    assert allocation.cdi_devices == [f"intel.com/nvme={NVME_VFS[0]}"]  # the CDI spec still says group 11
+    assert [(event.action, event.devpath) for event in reports] == [("change", host.devpath(NVME_VFS[1]))]
+    facts = pci.handler.fold(pci.handler.scan(), reports[0])
+    built = pci.handler.build(facts, [pool.pool_config])["intel.com/nvme"]
+    assert built[NVME_VFS[1]].specs[1] == DeviceSpec("/dev/vfio/32", "/dev/vfio/32")
+
+
+def test_the_nic_carrying_the_default_route_is_never_offered(pci: Pci, host: FakeHost) -> None:
+    host.add_pci("0000:19:00.0", driver="ice", bridge="0000:17:00.0")
+    host.add_netdev("0000:19:00.0", "eno1")
+    host.add_pci("0000:19:00.1", driver="ice", bridge="0000:17:00.0")
+    host.add_netdev("0000:19:00.1", "eno2")
+    host.add_default_route("eno1")
+    assert sorted(pool_of(pci, {"classes": ["02"], "drivers": ["ice"]})) == ["0000:19:00.1"]

@@ -24,10 +24,10 @@ VFIO = DeviceSpec("/dev/vfio/vfio", "/dev/vfio/vfio")
 class Pci:
     """A PciHandler on a fake host, with helpers to configure pools and allocate from them."""
 
-    def __init__(self, host: FakeHost, devinfo_dir: Path) -> None:
+    def __init__(self, host: FakeHost, devinfo_dir: Path, handler: PciHandler | None = None) -> None:
         self.host = host
         self.devinfo_dir = devinfo_dir
-        self.handler = PciHandler(HandlerContext(host.sys, host.dev, host.proc, devinfo_dir))
+        self.handler = handler or PciHandler(HandlerContext(host.sys, host.dev, host.proc, devinfo_dir))
 
     def configure(self, *entries: dict[str, Any], prefix: str = "intel.com") -> list[Any]:
         table = {kind: (self.handler.name, self.handler.parse_pool) for kind in self.handler.device_types}

@@ -17,16 +17,34 @@ one by name.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from ._config import ConfiguredPool, PoolEntry
-from ._events import Event
+from ._events import Event, UEvent
 from ._tree import DeviceInfo, DeviceSpec, Mount, ResourcePool
 
 log = logging.getLogger("devplugd.handlers")
+
+
+class HostChanges:
+    """How a handler says it saw the host differ from its facts outside ``fold`` (at Allocate,
+    say): the kernel loop then folds a ``change`` uevent for that device, as if the kernel had
+    sent one, so the tree (ListAndWatch, CDI, host API) catches up. Connected to the bus once the
+    daemon serves; until then (and in unit tests) reports are dropped."""
+
+    def __init__(self) -> None:
+        self._send: Callable[[Event], None] | None = None
+
+    def connect(self, send: Callable[[Event], None]) -> None:
+        self._send = send
+
+    def device_changed(self, devpath: str, subsystem: str) -> None:
+        if self._send is not None:
+            self._send(UEvent("change", devpath, subsystem, None, MappingProxyType({"DEVPLUGD_RECHECK": "1"})))
 
 
 @dataclass(frozen=True)
@@ -37,6 +55,7 @@ class HandlerContext:
     dev_root: Path
     proc_root: Path
     devinfo_dir: Path
+    host_changes: HostChanges = field(default_factory=HostChanges)
 
 
 @dataclass
@@ -48,6 +67,9 @@ class ContainerAllocation:
     specs: list[DeviceSpec] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)
     cdi_devices: list[str] = field(default_factory=list)
+    # devices whose record in the tree was found out of date and read afresh for this answer:
+    # their CDI spec may still say the old thing, so they get no CDI name
+    reread: set[str] = field(default_factory=set)
 
 
 class UseDefault(Exception):

@@ -28,7 +28,6 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 
-from ._cdi import cdi_names
 from ._endpoint import remove_socket_file
 from ._handler import AllocationError, Handler
 from ._leases import Lease, LeaseBook, LeaseError
@@ -218,9 +217,7 @@ class HostServicer(host_grpc.HostServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an owner name is required")
         try:
             chosen = self._choose(pool, request)
-            allocation = allocate_container(self._handlers[pool.handler], pool, chosen)
-            if self._with_cdi:
-                allocation.cdi_devices.extend(cdi_names(pool.resource, chosen))
+            allocation = allocate_container(self._handlers[pool.handler], pool, chosen, with_cdi=self._with_cdi)
             lease = Lease.grant(pool.resource, request.owner, chosen, allocation)
             self._leases.add(lease)  # on disk before anyone hears of it
         except LeaseError as error:
@@ -231,7 +228,8 @@ class HostServicer(host_grpc.HostServicer):
             raise AssertionError from error
         except (AllocationError, OSError) as error:
             log.error("lease of %s failed: %s", request.resource, error, extra={"RESOURCE": request.resource})
-            await context.abort(grpc.StatusCode.INTERNAL, f"lease failed: {error}")
+            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, AllocationError) else grpc.StatusCode.INTERNAL
+            await context.abort(code, f"lease failed: {error}")
             raise AssertionError from error
         log.info("leased %s of %s to %s as %s", ",".join(chosen), pool.resource, request.owner, lease.lease,
                  extra={"RESOURCE": pool.resource, "EVENT": "lease"})

@@ -141,8 +141,11 @@ def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequen
     return None
 
 
-def allocate_container(handler: Handler, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
-    """The handler's answer (Allocator, else the default), then its PostAllocator."""
+def allocate_container(
+    handler: Handler, pool: ResourcePool, device_ids: Sequence[str], *, with_cdi: bool = False
+) -> ContainerAllocation:
+    """The handler's answer (Allocator, else the default), then its PostAllocator; with
+    ``with_cdi``, the CDI names of the devices (not of those the handler had to read afresh)."""
     allocation: ContainerAllocation | None = None
     if isinstance(handler, Allocator):
         try:
@@ -153,6 +156,9 @@ def allocate_container(handler: Handler, pool: ResourcePool, device_ids: Sequenc
         allocation = default_allocation(pool, device_ids)
     if isinstance(handler, PostAllocator):
         allocation = handler.post_allocate(pool, device_ids, allocation)
+    if with_cdi:
+        allocation.cdi_devices.extend(
+            cdi_names(pool.resource, [device for device in device_ids if device not in allocation.reread]))
     return allocation
 
 
@@ -237,9 +243,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
                 raise AssertionError  # abort raises; this keeps type checkers honest
             try:
-                allocation = allocate_container(self._handler, pool, device_ids)
-                if self._with_cdi:
-                    allocation.cdi_devices.extend(cdi_names(self.resource, device_ids))
+                allocation = allocate_container(self._handler, pool, device_ids, with_cdi=self._with_cdi)
             except (AllocationError, OSError) as error:
                 log.error("Allocate failed for %s: %s", self.resource, error, extra={"RESOURCE": self.resource})
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")

@@ -17,6 +17,7 @@ from typing import ClassVar
 from daemon.core import (
     AllocationError,
     ConfigError,
+    SysfsError,
     ConfiguredPool,
     ContainerAllocation,
     DeviceMap,
@@ -34,12 +35,13 @@ from ._allocation import (
     VFIO_DRIVER,
     PciDetails,
     allocation_envs,
+    first_per_host_path,
     remove_devinfo_files,
     vfio_specs,
     with_vfio_binding,
     write_devinfo_file,
 )
-from ._discovery import PciFacts, read_vfio_binding, scan_pci
+from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
 from ._folding import RDMA_SUBSYSTEMS, fold_links, fold_uevent
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
@@ -96,20 +98,31 @@ class PciHandler:
     ) -> ContainerAllocation:
         entry: PoolEntry = pool.pool_config.entry
         details = {device_id: pool.devices[device_id].details for device_id in device_ids}
-        for device_id, record in details.items():
-            if record.device.driver == VFIO_DRIVER:
-                details[device_id] = self._current_vfio(pool.resource, record, allocation)
+        current = {device_id: self._current_vfio(pool.resource, record)
+                   for device_id, record in details.items() if record.device.driver == VFIO_DRIVER}
+        reread = {device_id for device_id, record in current.items() if record is not details[device_id]}
+        if reread:
+            stale_specs = {spec for record in details.values() for spec in vfio_specs(record.device)}
+            details.update(current)
+            fresh_specs = [spec for device_id in device_ids for spec in vfio_specs(details[device_id].device)]
+            kept = [spec for spec in allocation.specs if spec not in stale_specs]
+            allocation.specs[:] = first_per_host_path(fresh_specs + kept)
+            allocation.reread |= reread
         allocation.envs.update(allocation_envs(entry.resource_prefix, entry.resource_name, device_ids, details))
         if entry.device_type == NET_DEVICE:
             for device_id in device_ids:
                 write_devinfo_file(self._context.devinfo_dir, pool.resource, details[device_id])
         return allocation
 
-    def _current_vfio(self, resource: str, details: PciDetails, allocation: ContainerAllocation) -> PciDetails:
-        """``details`` checked against the driver and group links as they are now; a changed
-        group replaces the stale one in ``allocation``; a device no longer bound is refused."""
+    def _current_vfio(self, resource: str, details: PciDetails) -> PciDetails:
+        """``details`` checked against the driver and group links as they are now: the same
+        object when nothing changed; fresh details (and a change reported, so the tree catches
+        up) when the group changed; AllocationError when the device is no longer usable."""
         address = details.device.address
-        binding = read_vfio_binding(self._sysfs_root, address)
+        try:
+            binding = read_vfio_binding(self._sysfs_root, address)
+        except SysfsError as error:
+            raise AllocationError(f"{address}: {error}") from error
         if binding is None:
             raise AllocationError(f"{address}: the device is gone from sysfs")
         if binding.driver != VFIO_DRIVER or binding.iommu_group is None:
@@ -118,14 +131,11 @@ class PciHandler:
                                   f"IOMMU group {binding.iommu_group or 'none'})")
         if (binding.iommu_group, binding.noiommu) == (details.device.iommu_group, details.device.noiommu):
             return details
-        fresh = with_vfio_binding(details, binding)
         log.warning("%s: IOMMU group changed from %s to %s since it was last read; handing out the new one",
                     address, details.device.iommu_group, binding.iommu_group,
                     extra={"PCI_ADDR": address, "RESOURCE": resource})
-        stale_specs, fresh_specs = vfio_specs(details.device), vfio_specs(fresh.device)
-        replacements = dict(zip(stale_specs, fresh_specs))
-        allocation.specs[:] = list(dict.fromkeys(replacements.get(spec, spec) for spec in allocation.specs))
-        return fresh
+        self._context.host_changes.device_changed(pci_devpath(self._sysfs_root, address), "pci")
+        return with_vfio_binding(details, binding)
 
     # PreferredAllocator: offered only when the pool sets an allocation policy.
     def offers_preferred_allocation(self, pool: ResourcePool) -> bool:

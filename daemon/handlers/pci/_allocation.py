@@ -48,6 +48,14 @@ def vfio_specs(device: PciDevice) -> tuple[DeviceSpec, ...]:
     return (DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER), DeviceSpec(container, host))
 
 
+def first_per_host_path(specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
+    """``specs`` without later repeats of a host path (two devices in one IOMMU group share it)."""
+    by_host_path: dict[str, DeviceSpec] = {}
+    for spec in specs:
+        by_host_path.setdefault(spec.host_path, spec)
+    return list(by_host_path.values())
+
+
 def with_vfio_binding(details: PciDetails, binding: VfioBinding) -> PciDetails:
     """``details`` with the IOMMU group of ``binding`` (its specs and ``_INFO`` ``dev-mount``)."""
     device = replace(details.device, iommu_group=binding.iommu_group, noiommu=binding.noiommu)

@@ -260,7 +260,8 @@ class VfioBinding:
 def read_vfio_binding(sysfs_root: str, address: str) -> VfioBinding | None:
     """The driver and group links of one function, read afresh (``None`` if the function is gone).
     Allocate uses it so that a group that changed since the last uevent is never handed out.
-    Two readlinks in the common case: it runs for every vfio device of every Allocate."""
+    Two readlinks and a failed open (``name`` exists only for no-IOMMU groups) in the common
+    case: it runs for every vfio device of every Allocate."""
     device_dir = f"{sysfs_root}/bus/pci/devices/{address}"
     driver = link_name(f"{device_dir}/driver")
     group = link_name(f"{device_dir}/iommu_group")
@@ -268,6 +269,13 @@ def read_vfio_binding(sysfs_root: str, address: str) -> VfioBinding | None:
         return None
     noiommu = group is not None and read_text(f"{device_dir}/iommu_group/name") == NOIOMMU_GROUP_NAME
     return VfioBinding(driver=driver, iommu_group=group, noiommu=noiommu)
+
+
+def pci_devpath(sysfs_root: str, address: str) -> str:
+    """The uevent-style DEVPATH of a function (``/devices/pci0000:00/.../<address>``)."""
+    real = os.path.realpath(f"{sysfs_root}/bus/pci/devices/{address}")
+    root = os.path.realpath(sysfs_root)
+    return real[len(root):] if real.startswith(root + "/") else f"/devices/{address}"
 
 
 def _listing(device_dir: str) -> frozenset[str]:

@@ -5,7 +5,8 @@ SR-IOV plugin assigns devices; since that depends on the device alone, a fold th
 devices (or the links they depend on) only moves those few. The builder keeps what it built last
 and patches it; anything it cannot account for (new pools, an unknown lineage) is a full build.
 ``pciDevice`` pools take any function a selector admits (the selector's drivers, ``vfio-pci``
-by default), except a PF with VFs enabled. Health: a device is Unhealthy when its own link, or (``checkHealthOnPf``, default on) its PF's
+by default), except a PF with VFs enabled and a NIC carrying an IPv4 default route.
+Health: a device is Unhealthy when its own link, or (``checkHealthOnPf``, default on) its PF's
 link, is administratively up without carrier.
 """
 
@@ -45,8 +46,8 @@ def eligible(device: PciDevice, device_type: str) -> bool:
         return False
     if device_type == ACCELERATOR:
         return device.base_class == ACCELERATOR_CLASS
-    if device_type == PCI_DEVICE:  # any function, but not a PF whose VFs others may be using
-        return not (device.is_pf and device.num_vfs > 0)
+    if device_type == PCI_DEVICE:  # any function, but not a PF whose VFs others may use, nor the uplink
+        return not (device.is_pf and device.num_vfs > 0) and not device.has_default_route
     return (
         device.base_class == NETWORK_CLASS
         and not (device.is_pf and device.num_vfs > 0)
