@@ -253,3 +253,21 @@ def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, r
         time.sleep(0.05)
     assert daemon.process.poll() is None
     assert "Traceback" not in daemon.log
+
+
+def test_a_lease_by_count_follows_the_pools_allocation_policy(host, short_tmp, run_daemon):
+    """Packed: with PF B already half leased, two more come from PF B (not sorted order's PF A)."""
+    host.add_pf(PF, netdev="ens1f0", numa_node=0)
+    host.add_vfs(PF, VFS, driver="vfio-pci", iommu_groups=[10, 11, 12, 13], numa_node=0)
+    pf_b, vfs_b = "0000:5e:00.0", [f"0000:5e:02.{n}" for n in range(4)]
+    host.add_pf(pf_b, netdev="ens2f0", numa_node=0, bridge="0000:00:03.0")
+    host.add_vfs(pf_b, vfs_b, driver="vfio-pci", iommu_groups=[20, 21, 22, 23], numa_node=0)
+    config = {"resourceList": [{"resourceName": "dpdk", "allocationPolicy": "packed",
+                                "selectors": {"drivers": ["vfio-pci"]}}]}
+    run_daemon(config, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    first = cli(short_tmp, "allocate", "intel.com/dpdk", "--device", vfs_b[0], "--device", vfs_b[1], "-o", "json")
+    assert first.returncode == 0, first.stderr
+    packed = cli(short_tmp, "allocate", "intel.com/dpdk", "-n", "2", "-o", "json")
+    assert packed.returncode == 0, packed.stderr
+    assert json.loads(packed.stdout)["devices"] == vfs_b[2:]

@@ -29,7 +29,7 @@ from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 
 from ._endpoint import remove_socket_file
-from ._handler import AllocationError, Handler
+from ._handler import AllocationError, Handler, PreferredAllocator
 from ._leases import Lease, LeaseBook, LeaseError
 from ._notifier import LatestValue, Notifier
 from ._servicer import allocate_container
@@ -205,6 +205,16 @@ class HostServicer(host_grpc.HostServicer):
             free.sort(key=lambda i: request.numa_node not in pool.devices[i].numa_nodes)
         if len(free) < request.count:
             raise LeaseError(f"{request.count} devices of {pool.resource} requested, {len(free)} free")
+        candidates = free
+        if request.HasField("numa_node"):
+            on_node = [i for i in free if request.numa_node in pool.devices[i].numa_nodes]
+            candidates = on_node if len(on_node) >= request.count else free
+        handler = self._handlers[pool.handler]
+        if len(candidates) > request.count and isinstance(handler, PreferredAllocator) \
+                and handler.offers_preferred_allocation(pool):
+            preferred = handler.preferred_allocation(pool, candidates, [], request.count)
+            if len(preferred) == request.count and set(preferred) <= set(candidates):
+                return preferred  # the pool's allocationPolicy, as the kubelet's requests get it
         return free[: request.count]
 
     async def Allocate(self, request: host.AllocateRequest, context: grpc.aio.ServicerContext) -> host.Lease:
