@@ -21,12 +21,12 @@ VFIO_CONTAINER = "/dev/vfio/vfio"
 # step name -> how many VFs of each PF are bound to vfio-pci after it
 STEPS = {
     "started, no VFs": [0, 0],
-    "VFs created, none bound": [0, 0],
+    "VFs created, only the last bound": [1, 1],
     "all VFs bound to vfio-pci": PF_VFS,
     "every other VF unbound": [n // 2 for n in PF_VFS],
     "unbound VFs bound again": PF_VFS,
     "sriov_numvfs 0": [0, 0],
-    "VFs created again, none bound": [0, 0],
+    "VFs created again, only the last bound": [1, 1],
     "all new VFs bound to vfio-pci": PF_VFS,
 }
 

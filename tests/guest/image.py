@@ -443,7 +443,7 @@ for dev in /sys/bus/pci/devices/*; do
     tries=0
     until [ -e "$dev/driver" ]; do
         tries=$((tries + 1))
-        [ $tries -le 1000 ] || fail "${dev##*/} not bound to nvme after 10 s"
+        [ $tries -le 3000 ] || fail "${dev##*/} not bound to nvme after 30 s"
         usleep 10000
     done
 done
