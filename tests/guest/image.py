@@ -384,7 +384,8 @@ def init_script() -> str:
     1. proc, sysfs, devtmpfs (+ devpts, /dev/shm) and a tmpfs /run: what the kernel and Python need.
     2. insmod the modules in dependency order; check the required ones are really loaded.
     3. mount ``host0`` (the share, read-write, cache=none: the host reads it after we stop) and
-       source ``.guest/guest.env`` (GUEST_SHARE: where the share appears in the chroot).
+       source ``.guest/guest.env`` (GUEST_SHARE: where the share appears in the chroot;
+       GUEST_REPO: the checkout, put back over the tmpfs when it lives under /tmp or /var/tmp).
     4. mount ``hostroot`` (the host's /, read-only; cache=loose is correct because nothing on it
        changes during a run and makes imports several times faster), bind the guest's /proc
        /sys /dev /run over it and put tmpfs on /tmp and /var/tmp (the only places Python or a
@@ -429,11 +430,20 @@ mount -t 9p -o "$NINEP,cache=none" host0 /share || fail "cannot mount the host0 
 [ -f "$S/guest.env" ] || fail "no $S/guest.env in the share"
 . "$S/guest.env"
 mount -t 9p -o "$NINEP,cache=loose,ro" hostroot "$R" || fail "cannot mount hostroot"
+# A checkout under /tmp or /var/tmp (a CI runner's) would vanish under the tmpfs mounts below:
+# hold on to it first, and put it back at its path afterwards.
+mkdir -p /repo
+mount -o bind "$R$GUEST_REPO" /repo || fail "cannot find the checkout $GUEST_REPO on the host root"
 for dir in proc sys dev run; do
     mount -o rbind "/$dir" "$R/$dir" || fail "cannot bind /$dir"
 done
 mount -t tmpfs -o mode=1777 tmpfs "$R/tmp" || fail "cannot mount $R/tmp"
 mount -t tmpfs -o mode=1777 tmpfs "$R/var/tmp" || fail "cannot mount $R/var/tmp"
+case "$GUEST_REPO" in
+    /tmp/*|/var/tmp/*)
+        mkdir -p "$R$GUEST_REPO"
+        mount -o bind /repo "$R$GUEST_REPO" || fail "cannot bind the checkout at $GUEST_REPO" ;;
+esac
 mkdir -p "$R$GUEST_SHARE" 2>/dev/null
 mount -o bind /share "$R$GUEST_SHARE" || fail "cannot bind the share at $GUEST_SHARE"
 stamp mounted-root

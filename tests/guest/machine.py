@@ -149,7 +149,7 @@ def _write_run_script(control: Path, command: Sequence[str | os.PathLike[str]], 
     """``guest.env`` for /init (outside the chroot) and ``run.sh`` (inside): cwd, a clean
     environment, argv, stdin from /dev/null (the console is not the command's input)."""
     share = env["GUEST_SHARE"]
-    (control / "guest.env").write_text(f"GUEST_SHARE={shlex.quote(share)}\n")
+    (control / "guest.env").write_text(f"GUEST_SHARE={shlex.quote(share)}\nGUEST_REPO={shlex.quote(str(REPO_ROOT))}\n")
     assignments = " ".join(shlex.quote(f"{key}={value}") for key, value in env.items())
     argv = shlex.join(str(part) for part in command)
     (control / "run.sh").write_text(
