@@ -1,4 +1,5 @@
-"""The .deb under test: ``dist/devplugd_<version>_<arch>.deb``, built with ``make deb`` when missing.
+"""The .deb under test: ``dist/devplugd_<version>_<arch>.deb``, built with ``make deb`` when missing
+or older than a file that goes into it (so a developer's edit is never tested against a stale one).
 
 ``DEVPLUGD_E2E_DEB=/path/x.deb`` tests another file instead (developing the harness against a
 stand-in package). The build can run in the background while the image is being made.
@@ -17,17 +18,27 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DIST = REPO_ROOT / "dist"
 DEB_GLOB = "devplugd_*_*.deb"
 RELATION_FIELDS = ("Pre-Depends", "Depends", "Recommends")  # what `apt-get install ./x.deb` pulls in
+PACKAGED = ("daemon", "config", "systemd", "packaging", "proto", "pyproject.toml")  # what the .deb is built from
+
+
+def newest_packaged_change() -> float:
+    """The latest mtime of the tracked files the package is built from."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--", *PACKAGED], cwd=REPO_ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    return max((REPO_ROOT / name).stat().st_mtime for name in listed if name and (REPO_ROOT / name).exists())
 
 
 def existing_deb() -> Path | None:
     if override := os.environ.get("DEVPLUGD_E2E_DEB"):
         return Path(override)
     found = sorted(DIST.glob(DEB_GLOB), key=lambda path: path.stat().st_mtime)
-    return found[-1] if found else None
+    if not found or found[-1].stat().st_mtime < newest_packaged_change():
+        return None
+    return found[-1]
 
 
 class DebBuild:
-    """``make deb`` started now, waited for with ``result()``; nothing to do if the .deb exists."""
+    """``make deb`` started now, waited for with ``result()``; nothing to do if an up-to-date .deb exists."""
 
     def __init__(self) -> None:
         self.deb = existing_deb()
