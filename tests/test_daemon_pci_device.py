@@ -166,3 +166,24 @@ def test_an_unknown_policy_on_reload_is_refused_and_the_pools_stay(
     seam.send("bind", host.devpath(vfs[1]), "pci", DRIVER="vfio-pci")
     kubelet.wait_for_devices("intel.com/nvme_a", 2)
     assert kubelet.offers_preferred_allocation("intel.com/nvme_a")
+
+
+def test_a_group_changed_without_a_uevent_is_handed_out_fresh_and_read_into_cdi(
+    host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], short_tmp: Path
+) -> None:
+    vfs = add_nvme_pf(host, PF_A, 2, first_group=10, bound=2)
+    daemon = run_daemon(two_pf_config(None), "--uevent-source", "none", "--cdi")
+    kubelet.wait_for_devices("intel.com/nvme", 2)
+    spec_file = short_tmp / "cdi" / "devplugd-intel.com-nvme.json"
+    host.set_iommu_group(vfs[0], 31)  # no uevent source at all: only Allocate can notice
+    answer = kubelet.allocate("intel.com/nvme", vfs).container_responses[0]
+    assert [spec.host_path for spec in answer.devices] == ["/dev/vfio/vfio", "/dev/vfio/31", "/dev/vfio/11"]
+    assert [cdi.name for cdi in answer.cdi_devices] == [f"intel.com/nvme={vfs[1]}"]
+    deadline = time.monotonic() + 10
+    while "/dev/vfio/31" not in (spec_file.read_text() if spec_file.exists() else ""):
+        assert time.monotonic() < deadline, f"the CDI spec never followed\n{daemon.log}"
+        time.sleep(0.02)
+    assert "/dev/vfio/10" not in spec_file.read_text()
+    assert "IOMMU group changed from 10 to 31" in daemon.log
+    again = kubelet.allocate("intel.com/nvme", vfs).container_responses[0]
+    assert [cdi.name for cdi in again.cdi_devices] == [f"intel.com/nvme={vf}" for vf in vfs]
