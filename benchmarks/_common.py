@@ -38,6 +38,12 @@ class DaemonFailure(Exception):
         self.log = log
 
 
+def check_exit(code: int | None, log: str) -> None:
+    """Raise DaemonFailure unless the daemon exited 0 after SIGTERM (``None``: it had to be killed)."""
+    if code != 0:
+        raise DaemonFailure(f"daemon exit code after SIGTERM: {code} (None = had to be killed)", log)
+
+
 # -- temp dirs and fake hosts -----------------------------------------------------------------
 @contextlib.contextmanager
 def short_tmp() -> Iterator[Path]:

@@ -38,6 +38,7 @@ from benchmarks._common import (
     Daemon,
     DaemonFailure,
     bytecode_env,
+    check_exit,
     host_tmp,
     machine_line,
     median,
@@ -163,8 +164,7 @@ def one_repetition(index: int, base: Path, host_dir: Path, env: dict[str, str], 
             print("  note: the empty pool burst_new was registered before its burst")
         results = {kind: run_burst(kind, host, seam, kubelet, daemon, timeout) for kind in BURSTS}
         code, _ = daemon.stop()
-        if code != 0:
-            raise DaemonFailure(f"daemon exit code after SIGTERM: {code} (None = had to be killed)", daemon.log)
+        check_exit(code, daemon.log)
         return results
     finally:
         clean_up(daemon.kill, kubelet.close, seam.close)

@@ -23,6 +23,7 @@ from benchmarks._common import (
     DaemonFailure,
     build_sriov_host,
     bytecode_env,
+    check_exit,
     first_log_time,
     host_tmp,
     machine_line,
@@ -105,8 +106,7 @@ def one_run(index: int, base: Path, host: FakeHost, timeout: float, env: dict[st
             result["log_tree_build"] = float("nan")
         code, stop_seconds = daemon.stop()
         result["stop"] = stop_seconds
-        if code != 0:
-            raise DaemonFailure(f"daemon exit code after SIGTERM: {code} (None = had to be killed)", daemon.log)
+        check_exit(code, daemon.log)
         return result
     finally:
         daemon.kill()

@@ -39,11 +39,12 @@ from pathlib import Path
 from benchmarks._common import (
     PYTHON,
     Daemon,
-    percentile,
     DaemonFailure,
     bytecode_env,
+    check_exit,
     host_tmp,
     machine_line,
+    percentile,
     report_failure,
     short_tmp,
     wait_kubelet,
@@ -285,8 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             print(target_line("carrier down+up, from kernel event", both_kernel))
             print(target_line("macvtap add+remove, from request", taps_both))
             print(target_line("macvtap add+remove, from kernel event", taps_kernel))
-            if code != 0:
-                raise DaemonFailure(f"daemon exit code after SIGTERM: {code} (None = had to be killed)", daemon.log)
+            check_exit(code, daemon.log)
         except DaemonFailure as error:
             report_failure(error)
             return 1

@@ -26,6 +26,7 @@ from benchmarks._common import (
     DaemonFailure,
     build_sriov_host,
     bytecode_env,
+    check_exit,
     host_tmp,
     machine_line,
     netdevice_config,
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
             log = daemon.log
             code, _ = daemon.stop()
-            if code != 0:
-                raise DaemonFailure(f"daemon exit code after SIGTERM: {code} (None = had to be killed)", daemon.log)
+            check_exit(code, daemon.log)
         except DaemonFailure as error:
             report_failure(error)
             return 1

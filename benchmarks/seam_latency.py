@@ -32,6 +32,7 @@ from benchmarks._common import (
     DaemonFailure,
     build_sriov_host,
     bytecode_env,
+    check_exit,
     host_tmp,
     machine_line,
     median,
@@ -151,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             all_messages = sum(len(kubelet.state(r).messages) - others_before[r] for r in RESOURCES)
             stray = all_messages - own_messages
             code, stop_seconds = daemon.stop()
-            if code != 0:
-                raise DaemonFailure(f"daemon exit code after SIGTERM: {code} (None = had to be killed)", daemon.log)
+            check_exit(code, daemon.log)
         except DaemonFailure as error:
             report_failure(error)
             return 1
