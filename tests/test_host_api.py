@@ -271,3 +271,17 @@ def test_a_lease_by_count_follows_the_pools_allocation_policy(host, short_tmp, r
     packed = cli(short_tmp, "allocate", "intel.com/dpdk", "-n", "2", "-o", "json")
     assert packed.returncode == 0, packed.stderr
     assert json.loads(packed.stdout)["devices"] == vfs_b[2:]
+
+
+def test_a_numa_preference_takes_that_nodes_devices_first(host, short_tmp, run_daemon):
+    host.add_pf(PF, netdev="ens1f0", numa_node=0)
+    host.add_vfs(PF, VFS, driver="vfio-pci", iommu_groups=[10, 11, 12, 13], numa_node=0)
+    pf_b, vfs_b = "0000:5e:00.0", [f"0000:5e:02.{n}" for n in range(2)]
+    host.add_pf(pf_b, netdev="ens2f0", numa_node=1, bridge="0000:00:03.0")
+    host.add_vfs(pf_b, vfs_b, driver="vfio-pci", iommu_groups=[20, 21], numa_node=1)
+    run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    one = cli(short_tmp, "allocate", "intel.com/dpdk", "-n", "1", "--numa-node", "1", "-o", "json")
+    assert json.loads(one.stdout)["devices"] == vfs_b[:1], one.stderr
+    more = cli(short_tmp, "allocate", "intel.com/dpdk", "-n", "3", "--numa-node", "1", "-o", "json")
+    assert json.loads(more.stdout)["devices"] == [vfs_b[1], *VFS[:2]], more.stderr  # node 1 first, then the rest
