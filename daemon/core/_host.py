@@ -201,13 +201,13 @@ class HostServicer(host_grpc.HostServicer):
         if not 1 <= request.count <= MAX_COUNT:
             raise LeaseError("ask for a count of at least 1 or name the devices")
         free = [i for i in sorted(pool.devices) if pool.devices[i].health == HEALTHY and held_by(i) is None]
-        if request.HasField("numa_node"):
-            free.sort(key=lambda i: request.numa_node not in pool.devices[i].numa_nodes)
         if len(free) < request.count:
             raise LeaseError(f"{request.count} devices of {pool.resource} requested, {len(free)} free")
         candidates = free
-        if request.HasField("numa_node"):
+        if request.HasField("numa_node"):  # the preferred node's devices first
             on_node = [i for i in free if request.numa_node in pool.devices[i].numa_nodes]
+            off_node = [i for i in free if request.numa_node not in pool.devices[i].numa_nodes]
+            free = on_node + off_node
             candidates = on_node if len(on_node) >= request.count else free
         handler = self._handlers[pool.handler]
         if len(candidates) > request.count and isinstance(handler, PreferredAllocator) \

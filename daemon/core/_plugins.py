@@ -3,7 +3,8 @@
 ``sync(tree)`` is called after every new tree. A resource gets its server the first time its pool
 has a device (the kubelet never sees an empty first list from us) and keeps it until the pool
 leaves the config; it is served again (and registers again) when its options change, as a
-reloaded ``allocationPolicy`` does, since the kubelet reads them only at registration. Kubelet events are passed to every endpoint, which decides for itself.
+reloaded ``allocationPolicy`` does, since the kubelet reads them only at registration. Kubelet
+events are passed to every endpoint, which decides for itself.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class PluginManager:
                          extra={"RESOURCE": resource})
                 current[1].cancel()
                 del self._endpoints[resource]
-            if current is not None and resource in self._endpoints:
-                current[0].check_options()
+            if resource in self._endpoints:
+                self._endpoints[resource][0].check_options()
                 continue
             if not pool.devices:
                 continue

@@ -17,7 +17,6 @@ from typing import ClassVar
 from daemon.core import (
     AllocationError,
     ConfigError,
-    SysfsError,
     ConfiguredPool,
     ContainerAllocation,
     DeviceMap,
@@ -28,6 +27,7 @@ from daemon.core import (
     PoolEntry,
     ResourcePool,
     Resync,
+    SysfsError,
     UEvent,
 )
 
