@@ -122,6 +122,9 @@ def test_kubelet_restart_is_answered_by_serving_and_registering_again(host, kube
     sriov_host(host)
     daemon = run_daemon(SRIOV_CONFIG)
     kubelet.wait_for_devices("intel.com/dpdk_a", 4)
+    # both registered before the first restart: one still in flight would land on the new kubelet
+    # and count once where the loop expects two
+    kubelet.wait_for_devices("intel.com/dpdk_b", 3)
     first_endpoint = kubelet.state("intel.com/dpdk_a").endpoint
     for restart in range(3):
         kubelet.restart()
