@@ -32,7 +32,7 @@ from ._endpoint import remove_socket_file
 from ._handler import AllocationError, Handler, PreferredAllocator
 from ._leases import Lease, LeaseBook, LeaseError
 from ._notifier import LatestValue, Notifier
-from ._servicer import allocate_container
+from ._servicer import allocate_container, start_unix_server
 from ._tree import HEALTHY, DeviceTree, ResourcePool
 
 log = logging.getLogger("devplugd.host")
@@ -275,10 +275,7 @@ def describe_lease(lease: host.Lease) -> dict[str, Any]:
 async def _start_control_server(socket_path: str, servicer: HostServicer) -> grpc.aio.Server:
     server = grpc.aio.server()
     host_grpc.add_HostServicer_to_server(servicer, server)
-    if server.add_insecure_port(f"unix://{socket_path}") == 0:
-        raise OSError(f"cannot listen on {socket_path}")
-    await server.start()
-    return server
+    return await start_unix_server(server, socket_path)
 
 
 async def serve_control_socket(

@@ -308,6 +308,11 @@ async def start_grpc_server(
     dp_grpc.add_DevicePluginServicer_to_server(servicer, server)
     if registration is not None:
         reg_grpc.add_RegistrationServicer_to_server(registration, server)
+    return await start_unix_server(server, socket_path)
+
+
+async def start_unix_server(server: grpc.aio.Server, socket_path: str) -> grpc.aio.Server:
+    """Start ``server`` (its servicers added) listening on the unix socket ``socket_path``."""
     if server.add_insecure_port(f"unix://{socket_path}") == 0:
         raise OSError(f"cannot listen on {socket_path}")
     await server.start()
