@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from daemon import __version__
-from daemon.core._settings import REGISTRATION_MODES, Settings
+from daemon.settings import REGISTRATION_MODES, Settings
 from daemon.logs import LEVELS, configure_logging
 
 DEFAULTS = Settings()
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _client_command(arguments: argparse.Namespace) -> int:
-    from daemon import client
+    from daemon.host import client
 
     socket = arguments.control_socket
     if arguments.command == "list":
@@ -130,7 +130,7 @@ def _client_command(arguments: argparse.Namespace) -> int:
 
 def _check_config(path: Path, resource_prefix: str) -> int:
     from daemon import app
-    from daemon.core._config import ConfigFileError
+    from daemon.core import ConfigFileError
 
     try:
         _, config = app.load(Settings(resource_prefix=resource_prefix), config_path=path)

@@ -19,6 +19,7 @@ import pytest
 
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
+from tests.slowdisk import SlowDisk
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,6 +43,13 @@ def kubelet(short_tmp: Path) -> Iterator[FakeKubelet]:
     stand_in.start()
     yield stand_in
     stand_in.close()
+
+
+@pytest.fixture
+def slow_disk(short_tmp: Path) -> Iterator[SlowDisk]:
+    """A directory (``slow_disk.path``) whose fsyncs sleep ``slow_disk.delay`` seconds: see tests/slowdisk.py."""
+    with SlowDisk(short_tmp / "slow") as disk:
+        yield disk
 
 
 @dataclass

@@ -35,7 +35,7 @@ from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from daemon.core._names import extended_resource_name_problem
+from daemon.core import extended_resource_name_problem
 
 CHECKPOINT = "kubelet_internal_checkpoint"
 

@@ -6,10 +6,18 @@ from types import MappingProxyType
 
 import pytest
 
-from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, DeviceSpec, ResourcePool
-from daemon.core._handler import default_allocation
-from daemon.core._notifier import LatestValue, Notifier
-from daemon.core._tree import DeviceTree, diff_pools
+from daemon.core import (
+    HEALTHY,
+    UNHEALTHY,
+    DeviceInfo,
+    DeviceSpec,
+    DeviceTree,
+    LatestValue,
+    Notifier,
+    ResourceDiff,
+    ResourcePool,
+    default_allocation,
+)
 
 
 def pool(resource: str, devices: dict[str, DeviceInfo]) -> ResourcePool:
@@ -21,11 +29,18 @@ def tree(version: int, *pools: ResourcePool) -> DeviceTree:
 
 
 class Recorder:
-    def __init__(self) -> None:
-        self.offers: list[ResourcePool | None] = []
+    """A consumer of the tree that keeps every tree offered to it."""
 
-    def offer(self, offered: ResourcePool | None) -> None:
-        self.offers.append(offered)
+    def __init__(self) -> None:
+        self.trees: list[DeviceTree] = []
+
+    def offer(self, tree: DeviceTree) -> None:
+        self.trees.append(tree)
+
+
+class Failing:
+    def offer(self, tree: DeviceTree) -> None:
+        raise RuntimeError("a consumer with a bug")
 
 
 def test_tree_is_read_only():
@@ -44,7 +59,7 @@ def test_listing_is_sorted_and_carries_health_and_topology():
 def test_diff_names_added_removed_and_changed_devices():
     old = pool("a/x", {"d1": DeviceInfo(), "d2": DeviceInfo()})
     new = pool("a/x", {"d2": DeviceInfo(specs=(DeviceSpec("/dev/x", "/dev/x"),)), "d3": DeviceInfo()})
-    result = diff_pools(old, new)
+    result = ResourceDiff(old, new)
     assert (result.added, result.removed, result.changed) == ({"d3"}, {"d1"}, {"d2"})
 
 
@@ -52,30 +67,50 @@ def test_changed_listings_ignore_changes_the_kubelet_cannot_see():
     old = tree(1, pool("a/x", {"d1": DeviceInfo()}), pool("a/y", {"d1": DeviceInfo()}))
     new = tree(2, pool("a/x", {"d1": DeviceInfo(specs=(DeviceSpec("/dev/x", "/dev/x"),))}),
                pool("a/y", {"d1": DeviceInfo(health=UNHEALTHY)}), pool("a/z", {}))
-    assert new.changed_listings(old) == {"a/y", "a/z"}
-    assert set(new.changed_resources(old)) == {"a/x", "a/y", "a/z"}
+    assert new.diff(old).listings_changed == {"a/y", "a/z"}
+    assert new.diff(old).changed == {"a/x", "a/y", "a/z"}
 
 
-def test_notifier_wakes_only_subscribers_of_changed_resources():
+def test_diff_sees_a_device_leased_or_released_as_changed():
+    devices = MappingProxyType({"d1": DeviceInfo(), "d2": DeviceInfo()})
+    old = tree(1, ResourcePool("a/x", "test", None, devices))
+    new = tree(2, ResourcePool("a/x", "test", None, devices, frozenset({"d2"})))
+    assert new.diff(old).resources["a/x"].changed == {"d2"}
+    assert new.diff(old).listings_changed == {"a/x"}  # the kubelet no longer sees d2
+    assert not tree(3, *new.pools.values()).diff(new).resources  # the same pools: nothing to look at
+
+
+def test_notifier_offers_every_tree_to_every_consumer_in_order():
     notifier = Notifier()
-    watcher_x, watcher_y = Recorder(), Recorder()
-    notifier.publish(tree(1, pool("a/x", {"d1": DeviceInfo()}), pool("a/y", {"d1": DeviceInfo()})))
-    assert notifier.subscribe("a/x", watcher_x) is notifier.tree.pools["a/x"]
-    notifier.subscribe("a/y", watcher_y)
-    notifier.publish(tree(2, pool("a/x", {"d1": DeviceInfo(), "d2": DeviceInfo()}), notifier.tree.pools["a/y"]))
-    assert [len(p.devices) for p in watcher_x.offers if p] == [2]
-    assert watcher_y.offers == []
-    notifier.publish(tree(3, notifier.tree.pools["a/x"]))
-    assert watcher_y.offers == [None]  # resource withdrawn
+    first, second = Recorder(), Recorder()
+    assert notifier.subscribe(first) is notifier.tree
+    notifier.subscribe(second)
+    trees = [tree(1, pool("a/x", {"d1": DeviceInfo()})), tree(2, pool("a/x", {}))]
+    for published in trees:
+        notifier.publish(published)
+    assert first.trees == trees and second.trees == trees
+    assert notifier.tree is trees[-1]
 
 
-def test_unsubscribed_streams_hear_nothing_more():
+def test_a_failing_consumer_does_not_keep_the_tree_from_the_others(caplog):
+    notifier = Notifier()
+    recorder = Recorder()
+    notifier.subscribe(Failing())
+    notifier.subscribe(recorder)
+    published = tree(1, pool("a/x", {"d1": DeviceInfo()}))
+    notifier.publish(published)
+    notifier.publish(tree(2, *published.pools.values()))
+    assert [t.version for t in recorder.trees] == [1, 2]
+    assert "a consumer of the device tree failed on version 1" in caplog.text
+
+
+def test_unsubscribed_consumers_hear_nothing_more():
     notifier = Notifier()
     watcher = Recorder()
-    notifier.subscribe("a/x", watcher)
-    notifier.unsubscribe("a/x", watcher)
+    notifier.subscribe(watcher)
+    notifier.unsubscribe(watcher)
     notifier.publish(tree(1, pool("a/x", {"d1": DeviceInfo()})))
-    assert watcher.offers == [] and notifier.subscriber_count("a/x") == 0
+    assert watcher.trees == [] and notifier.subscriber_count == 0
 
 
 def test_latest_value_conflates_a_slow_reader_to_the_newest():

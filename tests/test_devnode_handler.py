@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from daemon.core import DeviceSpec, HandlerContext
-from daemon.core._config import ConfigFileError, parse_config
+from daemon.core import ConfigFileError, parse_config
 from daemon.handlers.devnode import DevNodeHandler
 from tests.fakesysfs import FakeHost
 

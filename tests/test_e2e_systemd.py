@@ -282,28 +282,46 @@ def test_systemctl_reload_applies_a_changed_config(deployment: Deployment, kubel
 
 
 # -- watchdog ---------------------------------------------------------------------------------------
+def _process_state(deployment: Deployment, pid: int) -> str:
+    """The state letter of /proc/PID/stat inside the container (T: stopped by a signal)."""
+    stat = deployment.run(["cat", f"/proc/{pid}/stat"]).stdout
+    return stat[stat.rindex(")") + 2]
+
+
 def test_watchdog_restarts_a_wedged_daemon(deployment: Deployment, request: pytest.FixtureRequest) -> None:
+    """Wedged from outside with SIGSTOP: no pings, so after WatchdogSec systemd sends
+    WatchdogSignal (SIGABRT), and SIGCONT after it (kill_and_sigcont), so the stopped process
+    takes the SIGABRT at once; TimeoutAbortSec (SIGKILL) is only the fallback. Restart=on-failure
+    then starts a new process, active again on its READY=1."""
     container = deployment.container
-    container.write_text(WATCHDOG_DROP_IN, "[Service]\nEnvironment=DEVPLUGD_TEST_HANG_SIGNAL=1\nWatchdogSec=2s\n")
+    container.write_text(WATCHDOG_DROP_IN, "[Service]\nWatchdogSec=2s\nTimeoutAbortSec=5s\n")
     try:
         deployment.run(["systemctl", "daemon-reload"])
         deployment.restart()
         before = unit_state(container, UNIT)
-        assert "DEVPLUGD_TEST_HANG_SIGNAL=1" in deployment.run(["systemctl", "show", "-p", "Environment", UNIT]).stdout
         assert deployment.run(["systemctl", "show", "-p", "WatchdogUSec", UNIT]).stdout.strip() == "WatchdogUSec=2s"
+        assert deployment.run(["systemctl", "show", "-p", "TimeoutAbortUSec", UNIT]).stdout.strip() == \
+            "TimeoutAbortUSec=5s"
         cursor = journal_cursor(container)
         wedged_at = time.monotonic()
-        deployment.run(["kill", "-s", "USR2", str(before.main_pid)])
-        wait_for_journal(container, lambda e: "wedging the event loop" in message(e), unit=UNIT, after=cursor,
-                         what="for the wedge")
+        deployment.run(["systemctl", "kill", "--signal=SIGSTOP", UNIT])
+        deadline = time.monotonic() + 5
+        while (state := _process_state(deployment, before.main_pid)) != "T":  # the stop, confirmed
+            assert time.monotonic() < deadline, f"MainPID {before.main_pid} in state {state!r}, not stopped"
+            time.sleep(0.02)
         after = wait_for_state(container, UNIT, lambda s: s.restarts > before.restarts and s.pair == "active/running"
                                and s.main_pid not in (0, before.main_pid), 40, "a restart by the watchdog")
         deployment.timings["wedge_to_active_again"] = time.monotonic() - wedged_at
         assert after.restarts == before.restarts + 1
+        wait_for_journal(container, lambda e: e.get("EVENT") == "ready" and e.get("_PID") == str(after.main_pid),
+                         unit=UNIT, after=cursor, timeout=5, what="EVENT=ready from the new process")
         systemd_says = [message(e) for e in journal(container, unit=UNIT, after=cursor) if e.get("_PID") == "1"]
         assert any("Watchdog timeout" in line for line in systemd_says), systemd_says
         assert any("ABRT" in line for line in systemd_says), systemd_says
-        report_line(request, f"e2e: watchdog: wedged -> active again in {deployment.timings['wedge_to_active_again']:.1f}"
+        assert any("Main process exited" in line and "status=6/ABRT" in line for line in systemd_says), systemd_says
+        assert any("Failed with result 'watchdog'" in line for line in systemd_says), systemd_says
+        assert not any("SIGKILL" in line for line in systemd_says), systemd_says  # not the TimeoutAbortSec fallback
+        report_line(request, f"e2e: watchdog: stopped -> active again in {deployment.timings['wedge_to_active_again']:.1f}"
                          f" s (MainPID {before.main_pid} -> {after.main_pid}, "
                          f"NRestarts {before.restarts} -> {after.restarts})")
     finally:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon.core import HEALTHY, UNHEALTHY, HandlerContext, LinkChanged, LinkSnapshot, LinkState, UEvent
-from daemon.core._config import DaemonConfig, parse_config
+from daemon.core import DaemonConfig, parse_config
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
 

@@ -140,16 +140,47 @@ def test_reload_is_bracketed_by_reloading_and_ready_and_stop_says_stopping(short
     notify.read_until(lambda m: m == "STOPPING=1")
 
 
-def test_watchdog_is_fed_by_the_event_loop_and_stops_when_it_wedges(notify, start_daemon):
-    process = start_daemon(WATCHDOG_USEC="200000", DEVPLUGD_TEST_HANG_SIGNAL="1")
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat (R, S, T for stopped, ...); the field after the
+    command name, which is in parentheses and may itself hold spaces or parentheses."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def wait_until_stopped(pid: int, stopped: bool, timeout: float = 5.0) -> None:
+    """Until the process is in state T (stopped by a signal), or, with ``stopped=False``, no longer."""
+    deadline = time.monotonic() + timeout
+    while ((state := process_state(pid)) == "T") != stopped:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} still in state {state!r} after {timeout}s")
+        time.sleep(0.01)
+
+
+def test_watchdog_is_fed_by_the_event_loop_and_stops_when_it_wedges(short_tmp, notify, start_daemon):
+    """Wedged from outside (SIGSTOP: nothing in the daemon runs, as in a loop stuck in a call),
+    the pings stop; on SIGCONT they resume and the daemon still stops cleanly."""
+    process = start_daemon(WATCHDOG_USEC="200000")
     notify.read_until(lambda m: m == "READY=1")
     pings = [m for m in notify.drain(1.0) if m == "WATCHDOG=1"]
     assert 6 <= len(pings) <= 14  # every 100 ms
-    process.send_signal(signal.SIGUSR2)
-    time.sleep(0.3)
-    notify.drain(0.1)
-    assert "WATCHDOG=1" not in notify.drain(1.0)
-    assert process.poll() is None  # wedged, not dead: systemd's watchdog is what ends it
+    process.send_signal(signal.SIGSTOP)
+    try:
+        wait_until_stopped(process.pid, True)
+        notify.drain(0.1)  # a ping sent just before the stop may still be on its way to the reader thread
+        assert "WATCHDOG=1" not in notify.drain(1.0)  # 10 intervals
+        assert process.poll() is None and process_state(process.pid) == "T"  # wedged, not dead
+    finally:
+        process.send_signal(signal.SIGCONT)
+    wait_until_stopped(process.pid, False)
+    resumed = [m for m in notify.drain(1.0) if m == "WATCHDOG=1"]
+    assert 6 <= len(resumed) <= 14, resumed  # every 100 ms again
+    process.send_signal(signal.SIGTERM)
+    try:
+        code = process.wait(15)
+    except subprocess.TimeoutExpired:
+        raise AssertionError((short_tmp / "daemon.log").read_text()) from None
+    assert code == 0, (short_tmp / "daemon.log").read_text()
+    notify.read_until(lambda m: m == "STOPPING=1")
 
 
 def test_no_watchdog_pings_unless_systemd_asks(notify, start_daemon):

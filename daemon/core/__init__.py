@@ -1,9 +1,19 @@
-"""The public face of devplugd's core: everything a handler may use, and nothing else.
+"""The public face of devplugd's core: the handler contract and the model it works on.
 
-Handlers import from ``daemon.core`` only; the modules behind it are private to the core.
+Handlers import from ``daemon.core`` only; so do the consumers of the tree (the device-plugin
+servers, the host API, CDI, systemd glue). The modules behind it are private to the core.
 """
 
-from ._config import ConfiguredPool, PoolEntry
+from ._allocation import AllocationError, ContainerAllocation, HandlerFailed, UseDefault, default_allocation
+from ._config import (
+    ConfigFileError,
+    ConfiguredPool,
+    DaemonConfig,
+    ParserTable,
+    PoolEntry,
+    load_config,
+    parse_config,
+)
 from ._events import (
     ConfigChanged,
     Event,
@@ -17,9 +27,8 @@ from ._events import (
     UEvent,
 )
 from ._handler import (
-    AllocationError,
     Allocator,
-    ContainerAllocation,
+    AnyHandler,
     ContainerPreStarter,
     DeviceMap,
     Handler,
@@ -28,52 +37,84 @@ from ._handler import (
     PoolLifecycle,
     PostAllocator,
     PreferredAllocator,
-    UseDefault,
-    default_allocation,
+    allocate_container,
+    tell_lifecycle,
 )
 from ._jsonpath import ConfigError, ConfigObject
-from ._sysfs import SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from ._tree import HEALTHY, UNHEALTHY, DeviceInfo, DeviceSpec, Mount, ResourcePool, frozen_map
+from ._names import extended_resource_name_problem
+from ._notifier import LatestValue, Notifier, Subscriber
+from ._registry import HandlerLoadError, load_handlers, parser_table
+from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
+from ._tree import (
+    HEALTHY,
+    UNHEALTHY,
+    DeviceInfo,
+    DeviceSpec,
+    DeviceTree,
+    Mount,
+    ResourceDiff,
+    ResourcePool,
+    TreeDiff,
+)
 
 __all__ = [
     "HEALTHY",
     "UNHEALTHY",
     "AllocationError",
     "Allocator",
+    "AnyHandler",
     "ConfigChanged",
     "ConfigError",
+    "ConfigFileError",
     "ConfigObject",
     "ConfiguredPool",
     "ContainerAllocation",
     "ContainerPreStarter",
+    "DaemonConfig",
     "DeviceInfo",
     "DeviceMap",
     "DeviceSpec",
+    "DeviceTree",
     "Event",
     "Handler",
     "HandlerContext",
+    "HandlerFailed",
+    "HandlerLoadError",
     "HostChanges",
     "KubeletSocketCreated",
+    "LatestValue",
     "LeasesChanged",
     "LinkChanged",
     "LinkSnapshot",
     "LinkState",
     "Mount",
+    "Notifier",
+    "ParserTable",
+    "PathLike",
     "PluginSocketRemoved",
     "PoolEntry",
     "PoolLifecycle",
     "PostAllocator",
     "PreferredAllocator",
+    "ResourceDiff",
     "ResourcePool",
     "Resync",
+    "Subscriber",
     "SysfsError",
+    "TreeDiff",
     "UEvent",
     "UseDefault",
+    "allocate_container",
     "default_allocation",
-    "frozen_map",
+    "extended_resource_name_problem",
     "link_name",
     "list_dir",
+    "load_config",
+    "load_handlers",
+    "parse_config",
+    "parser_table",
     "read_hex_id",
     "read_int",
     "read_text",
+    "tell_lifecycle",
 ]

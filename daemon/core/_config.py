@@ -9,14 +9,17 @@ keys. This module parses the fields every pool has; the handler that serves a po
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ._jsonpath import ConfigError, ConfigObject, describe, expect_type
 from ._names import extended_resource_name_problem, resource_name_problem
+
+log = logging.getLogger("devplugd.config")
 
 DEFAULT_DEVICE_TYPE = "netDevice"
 
@@ -40,13 +43,16 @@ class PoolEntry:
         return f"{self.resource_prefix}/{self.resource_name}"
 
 
+SpecT = TypeVar("SpecT")
+
+
 @dataclass(frozen=True)
-class ConfiguredPool:
+class ConfiguredPool(Generic[SpecT]):
     """A pool entry together with the handler that serves it and that handler's parsed spec."""
 
     entry: PoolEntry
     handler: str
-    spec: Any
+    spec: SpecT
 
     @property
     def resource(self) -> str:
@@ -58,10 +64,10 @@ class DaemonConfig:
     """A validated config file: its pools in file order and the warnings parsing it gave."""
 
     source: str
-    pools: tuple[ConfiguredPool, ...]
+    pools: tuple[ConfiguredPool[Any], ...]
     warnings: tuple[str, ...]
 
-    def pools_of(self, handler: str) -> tuple[ConfiguredPool, ...]:
+    def pools_of(self, handler: str) -> tuple[ConfiguredPool[Any], ...]:
         return tuple(pool for pool in self.pools if pool.handler == handler)
 
 
@@ -75,7 +81,7 @@ class ConfigFileError(Exception):
         self.json_path = error.json_path if isinstance(error, ConfigError) else "$"
 
 
-PoolParser = Callable[[PoolEntry], Any]
+PoolParser = Callable[[PoolEntry], object]
 # deviceType -> (handler name, parser of that handler)
 ParserTable = Mapping[str, tuple[str, PoolParser]]
 
@@ -100,7 +106,7 @@ def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTab
         root = ConfigObject(expect_type(document, dict, "$"), "$")
         if not root.has("resourceList"):
             raise ConfigError("$.resourceList", "is required")
-        pools: list[ConfiguredPool] = []
+        pools: list[ConfiguredPool[Any]] = []
         resources: dict[str, str] = {}
         for index, item in enumerate(root.get("resourceList", list, [])):
             json_path = f"$.resourceList[{index}]"
@@ -120,10 +126,24 @@ def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTab
                     f"duplicate resource {entry.resource!r} (also at {resources[entry.resource]})",
                 )
             resources[entry.resource] = json_path
-            pools.append(ConfiguredPool(entry=entry, handler=handler_name, spec=parse_pool(entry)))
+            pools.append(ConfiguredPool(entry=entry, handler=handler_name, spec=_parse_pool(handler_name, parse_pool, entry)))
     except ConfigError as error:
         raise ConfigFileError(source, error) from error
     return DaemonConfig(source=source, pools=tuple(pools), warnings=tuple(warnings))
+
+
+def _parse_pool(handler_name: str, parse_pool: PoolParser, entry: PoolEntry) -> object:
+    """The handler's spec for ``entry``. A handler that fails with anything but ConfigError has a
+    bug, not the file: it still refuses this config (naming the pool and the handler), never the
+    daemon."""
+    try:
+        return parse_pool(entry)
+    except ConfigError:
+        raise
+    except Exception as error:
+        log.exception("handler %s failed to parse the pool at %s", handler_name, entry.json_path)
+        raise ConfigError(entry.json_path, f"handler {handler_name} failed to parse this pool: "
+                                           f"{type(error).__name__}: {error}") from error
 
 
 def _parse_entry(

@@ -21,11 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+from ._allocation import AllocationError, ContainerAllocation, HandlerFailed, UseDefault, default_allocation
 from ._config import ConfiguredPool, PoolEntry
 from ._events import Event, UEvent
-from ._tree import DeviceInfo, DeviceSpec, Mount, ResourcePool
+from ._tree import DeviceInfo, ResourcePool
 
 log = logging.getLogger("devplugd.handlers")
 
@@ -58,34 +59,21 @@ class HandlerContext:
     host_changes: HostChanges = field(default_factory=HostChanges)
 
 
-@dataclass
-class ContainerAllocation:
-    """The answer for one container request (becomes a ContainerAllocateResponse)."""
-
-    envs: dict[str, str] = field(default_factory=dict)
-    mounts: list[Mount] = field(default_factory=list)
-    specs: list[DeviceSpec] = field(default_factory=list)
-    annotations: dict[str, str] = field(default_factory=dict)
-    cdi_devices: list[str] = field(default_factory=list)
-    # devices whose record in the tree was found out of date and read afresh for this answer:
-    # their CDI spec may still say the old thing, so they get no CDI name
-    reread: set[str] = field(default_factory=set)
-
-
-class UseDefault(Exception):
-    """Raised by ``Allocator.allocate`` to ask for the core's default answer."""
-
-
-class AllocationError(Exception):
-    """The handler cannot answer this Allocate; the message names the device and the reason."""
-
-
 DeviceMap = Mapping[str, DeviceInfo]
 
 
-class Handler(Protocol):
-    """A device family. Implementations must not keep mutable state between calls that the
-    tree depends on: facts go in, facts and devices come out."""
+FactsT = TypeVar("FactsT")
+SpecT = TypeVar("SpecT")
+
+
+class Handler(Protocol[FactsT, SpecT]):
+    """A device family, generic over its facts (its own immutable record of the host) and its
+    parsed pool spec. Implementations must not keep mutable state between calls that the tree
+    depends on: facts go in, facts and devices come out.
+
+    Every hook may fail: the core logs the failure with its event and contains it (a pool that
+    fails to parse is a refused config, a failed scan, fold or build keeps the handler's last
+    devices, a failed allocation hook refuses that one request)."""
 
     name: ClassVar[str]
     # the config ``deviceType`` values this handler serves
@@ -95,23 +83,27 @@ class Handler(Protocol):
     # whether rtnetlink link events (LinkChanged, LinkSnapshot) are folded into its facts
     wants_links: ClassVar[bool]
 
-    def parse_pool(self, entry: PoolEntry) -> Any:
+    def parse_pool(self, entry: PoolEntry) -> SpecT:
         """Parse one ``resourceList`` entry of one of ``device_types``; raise ConfigError."""
         ...
 
-    def scan(self) -> Any:
+    def scan(self) -> FactsT:
         """Read the whole host and return facts. Runs in a worker thread."""
         ...
 
-    def fold(self, facts: Any, event: Event) -> Any:
+    def fold(self, facts: FactsT, event: Event) -> FactsT:
         """Return facts updated by one event: the same object when it does not concern us, and a
         full rescan for ``Resync`` (then it runs in a worker thread). The result must equal
         what ``scan`` would give for the same host."""
         ...
 
-    def build(self, facts: Any, pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
+    def build(self, facts: FactsT, pools: Sequence[ConfiguredPool[SpecT]]) -> Mapping[str, DeviceMap]:
         """The devices of each of ``pools`` (keyed by resource name) from ``facts``."""
         ...
+
+
+# What the core holds: handlers of every family side by side.
+AnyHandler = Handler[Any, Any]
 
 
 @runtime_checkable
@@ -159,7 +151,7 @@ class PoolLifecycle(Protocol):
         ...
 
 
-def tell_lifecycle(handlers: Mapping[str, Handler], pools: Sequence[ConfiguredPool], *, started: bool) -> None:
+def tell_lifecycle(handlers: Mapping[str, AnyHandler], pools: Sequence[ConfiguredPool[Any]], *, started: bool) -> None:
     """Call ``pools_started`` (or ``pools_stopped``) of each PoolLifecycle handler with its share
     of ``pools``. A handler that fails is logged; the others still hear of their pools."""
     for name, handler in handlers.items():
@@ -175,24 +167,27 @@ def tell_lifecycle(handlers: Mapping[str, Handler], pools: Sequence[ConfiguredPo
             log.exception("handler %s failed on pools %s", name, "started" if started else "stopped")
 
 
-def default_allocation(pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
-    """The union of the devices' specs (first per host path), mounts (first per container path),
-    envs and annotations, in request order."""
-    allocation = ContainerAllocation()
-    seen_hosts: set[str] = set()
-    seen_mounts: set[str] = set()
-    for device_id in device_ids:
-        info = pool.devices[device_id]
-        for spec in info.specs:
-            if spec.host_path not in seen_hosts:
-                seen_hosts.add(spec.host_path)
-                allocation.specs.append(spec)
-        for mount in info.mounts:
-            if mount.container_path not in seen_mounts:
-                seen_mounts.add(mount.container_path)
-                allocation.mounts.append(mount)
-        for key, value in info.envs.items():
-            allocation.envs.setdefault(key, value)
-        for key, value in info.annotations.items():
-            allocation.annotations.setdefault(key, value)
+def allocate_container(handler: AnyHandler, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
+    """The handler's answer (its Allocator, else the default), then its PostAllocator.
+
+    Raises AllocationError (the handler's refusal), OSError (the host failed it) or HandlerFailed.
+    """
+    hook = "allocate"
+    try:
+        allocation: ContainerAllocation | None = None
+        if isinstance(handler, Allocator):
+            try:
+                allocation = handler.allocate(pool, device_ids)
+            except UseDefault:
+                allocation = None
+        if allocation is None:
+            allocation = default_allocation(pool, device_ids)
+        if isinstance(handler, PostAllocator):
+            hook = "post_allocate"
+            allocation = handler.post_allocate(pool, device_ids, allocation)
+    except (AllocationError, OSError):
+        raise
+    except Exception as error:
+        raise HandlerFailed(f"handler {handler.name} failed in {hook} for {pool.resource}: "
+                            f"{type(error).__name__}: {error}") from error
     return allocation

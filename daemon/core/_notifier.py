@@ -1,23 +1,31 @@
-"""The notifier: holds the current DeviceTree and wakes only the subscribers whose resource changed.
+"""The notifier: the one road from the event loop to everything that reads the tree.
 
-A subscriber is anything with ``offer(pool)``. It is called with the resource's new pool (or
-``None`` when the resource went away) each time that resource's kubelet-visible list changed.
-Subscribers keep only the latest offer (see ``LatestValue``), so a slow reader is conflated to
-the newest snapshot and never builds a backlog.
+The loop ``publish``es each new DeviceTree here and nowhere else. Every consumer — the
+device-plugin endpoints, host Watch streams, the CDI writer, the systemd STATUS line — is a
+``Subscriber``: its ``offer(tree)`` is called with each new tree, in subscription order, and
+must return at once (keep the newest tree and wake its own task; ``LatestValue`` is the one-slot
+mailbox for that). So a slow consumer is conflated to the newest tree and never delays another,
+and what changed since the tree it last handled is ``tree.diff(last)``, the same diff for all.
+A subscriber that raises is logged and keeps its place: the others still hear of the tree.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
-from ._tree import DeviceTree, ResourcePool
+from ._tree import DeviceTree
+
+log = logging.getLogger("devplugd.notifier")
 
 T = TypeVar("T")
 
 
 class Subscriber(Protocol):
-    def offer(self, pool: ResourcePool | None) -> None: ...
+    def offer(self, tree: DeviceTree) -> None:
+        """A new tree is current. Return at once: keep it, wake your own task."""
+        ...
 
 
 class LatestValue(Generic[T]):
@@ -48,48 +56,35 @@ class LatestValue(Generic[T]):
 
 
 class Notifier:
-    """The current tree, and who wants to hear about which resource."""
+    """The current tree, and who hears of the next one."""
 
     def __init__(self) -> None:
         self._tree = DeviceTree.empty()
-        self._subscribers: dict[str, set[Subscriber]] = {}
-        self._tree_subscribers: list[Callable[[DeviceTree], None]] = []
-
-    def subscribe_trees(self, offer: Callable[[DeviceTree], None]) -> None:
-        """Offer every new tree to ``offer`` (host watch streams: they diff trees themselves)."""
-        self._tree_subscribers.append(offer)
-
-    def unsubscribe_trees(self, offer: Callable[[DeviceTree], None]) -> None:
-        if offer in self._tree_subscribers:
-            self._tree_subscribers.remove(offer)
+        self._subscribers: list[Subscriber] = []
 
     @property
     def tree(self) -> DeviceTree:
         return self._tree
 
-    def subscribe(self, resource: str, subscriber: Subscriber) -> ResourcePool | None:
-        """Start offering ``resource``'s changes to ``subscriber``; return its current pool."""
-        self._subscribers.setdefault(resource, set()).add(subscriber)
-        return self._tree.pools.get(resource)
+    def subscribe(self, subscriber: Subscriber) -> DeviceTree:
+        """Offer every tree from now on to ``subscriber``; return the current one."""
+        self._subscribers.append(subscriber)
+        return self._tree
 
-    def unsubscribe(self, resource: str, subscriber: Subscriber) -> None:
-        subscribers = self._subscribers.get(resource)
-        if subscribers is not None:
-            subscribers.discard(subscriber)
-            if not subscribers:
-                del self._subscribers[resource]
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        if subscriber in self._subscribers:
+            self._subscribers.remove(subscriber)
 
-    def subscriber_count(self, resource: str) -> int:
-        return len(self._subscribers.get(resource, ()))
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subscribers)
 
-    def publish(self, tree: DeviceTree) -> frozenset[str]:
-        """Make ``tree`` current; offer it to subscribers of changed resources; return those."""
-        previous, self._tree = self._tree, tree
-        changed = tree.changed_listings(previous)
-        for resource in changed:
-            pool = tree.pools.get(resource)
-            for subscriber in tuple(self._subscribers.get(resource, ())):
-                subscriber.offer(pool)
-        for offer in tuple(self._tree_subscribers):
-            offer(tree)
-        return changed
+    def publish(self, tree: DeviceTree) -> None:
+        """Make ``tree`` current and offer it to every subscriber."""
+        self._tree = tree
+        for subscriber in tuple(self._subscribers):
+            try:
+                subscriber.offer(tree)
+            except Exception:
+                log.exception("a consumer of the device tree failed on version %d (%r); the others go on",
+                              tree.version, subscriber, extra={"EVENT": f"tree:{tree.version}"})

@@ -3,10 +3,11 @@ taking a HandlerContext. The core knows them only through this group."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib.metadata import entry_points
 
-from ._config import ParserTable
-from ._handler import Handler, HandlerContext
+from ._config import ParserTable, PoolParser
+from ._handler import AnyHandler, HandlerContext
 
 ENTRY_POINT_GROUP = "devplugd.handlers"
 
@@ -15,23 +16,22 @@ class HandlerLoadError(Exception):
     pass
 
 
-def load_handlers(context: HandlerContext, group: str = ENTRY_POINT_GROUP) -> dict[str, Handler]:
-    handlers: dict[str, Handler] = {}
+def load_handlers(context: HandlerContext, group: str = ENTRY_POINT_GROUP) -> dict[str, AnyHandler]:
+    handlers: dict[str, AnyHandler] = {}
     for entry_point in sorted(entry_points(group=group), key=lambda ep: ep.name):
         try:
-            handler_class = entry_point.load()
+            handler: AnyHandler = entry_point.load()(context)
         except Exception as error:  # a broken plug-in must say which one it is
             raise HandlerLoadError(f"handler {entry_point.name!r} ({entry_point.value}): {error}") from error
-        handler: Handler = handler_class(context)
         handlers[handler.name] = handler
     if not handlers:
         raise HandlerLoadError(f"no handlers found in entry-point group {group!r}: is devplugd installed?")
     return handlers
 
 
-def parser_table(handlers: dict[str, Handler]) -> ParserTable:
+def parser_table(handlers: Mapping[str, AnyHandler]) -> ParserTable:
     """deviceType -> (handler name, its pool parser)."""
-    table = {}
+    table: dict[str, tuple[str, PoolParser]] = {}
     for handler in handlers.values():
         for device_type in handler.device_types:
             table[device_type] = (handler.name, handler.parse_pool)

@@ -36,11 +36,6 @@ class Mount:
     read_only: bool = False
 
 
-def frozen_map(items: Mapping[str, str] | None = None) -> Mapping[str, str]:
-    """A read-only copy of ``items`` (shared empty map when there is nothing)."""
-    return MappingProxyType(dict(items)) if items else _EMPTY_MAP
-
-
 @dataclass(frozen=True)
 class DeviceInfo:
     """Everything the daemon says about one device of one resource.
@@ -92,29 +87,92 @@ class ResourcePool:
         return sum(1 for info in self.devices.values() if info.health == HEALTHY)
 
 
-@dataclass(frozen=True)
 class ResourceDiff:
-    """Device IDs added, removed and changed (any field of DeviceInfo) between two pools."""
+    """What changed in one resource between two trees: computed lazily, at most once each.
 
-    added: frozenset[str]
-    removed: frozenset[str]
-    changed: frozenset[str]
+    ``added``, ``removed`` and ``changed`` are device IDs (``changed``: any field of DeviceInfo,
+    or whether a host lease holds it); ``listing_changed`` is whether the kubelet's list (IDs,
+    health, topology, leased devices left out) differs, which is all a ListAndWatch stream needs.
+    ``old`` or ``new`` is ``None`` when the resource is absent from that tree.
+    """
+
+    __slots__ = ("old", "new", "_devices")
+
+    def __init__(self, old: ResourcePool | None, new: ResourcePool | None) -> None:
+        self.old = old
+        self.new = new
+        self._devices: tuple[frozenset[str], frozenset[str], frozenset[str]] | None = None
+
+    @property
+    def listing_changed(self) -> bool:
+        if self.old is None or self.new is None:
+            return self.old is not self.new
+        return self.old is not self.new and self.old.listing != self.new.listing
+
+    def _device_sets(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        if self._devices is None:
+            old_devices: Mapping[str, DeviceInfo] = self.old.devices if self.old is not None else {}
+            new_devices: Mapping[str, DeviceInfo] = self.new.devices if self.new is not None else {}
+            old_leased = self.old.leased if self.old is not None else frozenset()
+            new_leased = self.new.leased if self.new is not None else frozenset()
+            self._devices = (
+                frozenset(new_devices.keys() - old_devices.keys()),
+                frozenset(old_devices.keys() - new_devices.keys()),
+                frozenset(
+                    device_id for device_id in old_devices.keys() & new_devices.keys()
+                    if old_devices[device_id] != new_devices[device_id]
+                    or (device_id in old_leased) != (device_id in new_leased)
+                ),
+            )
+        return self._devices
+
+    @property
+    def added(self) -> frozenset[str]:
+        return self._device_sets()[0]
+
+    @property
+    def removed(self) -> frozenset[str]:
+        return self._device_sets()[1]
+
+    @property
+    def changed(self) -> frozenset[str]:
+        return self._device_sets()[2]
 
     def __bool__(self) -> bool:
+        """Whether anything a reader can see changed: the resource came or went, or a device did."""
+        if (self.old is None) != (self.new is None):
+            return True
         return bool(self.added or self.removed or self.changed)
 
 
-def diff_pools(old: ResourcePool | None, new: ResourcePool | None) -> ResourceDiff:
-    """The device-level difference between two versions of one resource (``None``: absent)."""
-    old_devices: Mapping[str, DeviceInfo] = old.devices if old is not None else {}
-    new_devices: Mapping[str, DeviceInfo] = new.devices if new is not None else {}
-    old_ids = old_devices.keys()
-    new_ids = new_devices.keys()
-    return ResourceDiff(
-        added=frozenset(new_ids - old_ids),
-        removed=frozenset(old_ids - new_ids),
-        changed=frozenset(i for i in old_ids & new_ids if old_devices[i] != new_devices[i]),
-    )
+class TreeDiff:
+    """The one diff between two trees that every consumer uses.
+
+    ``resources`` holds a ResourceDiff for each resource whose pool is not the very same object
+    in both trees (a tree keeps an unchanged pool's object, so this costs one identity check per
+    resource); what changed inside is worked out only when asked.
+    """
+
+    __slots__ = ("old", "new", "resources")
+
+    def __init__(self, old: DeviceTree, new: DeviceTree) -> None:
+        self.old = old
+        self.new = new
+        self.resources: Mapping[str, ResourceDiff] = {
+            resource: ResourceDiff(old.pools.get(resource), new.pools.get(resource))
+            for resource in new.pools.keys() | old.pools.keys()
+            if old.pools.get(resource) is not new.pools.get(resource)
+        }
+
+    @property
+    def listings_changed(self) -> frozenset[str]:
+        """Resources whose kubelet-visible list changed, or that appeared or went away."""
+        return frozenset(resource for resource, diff in self.resources.items() if diff.listing_changed)
+
+    @property
+    def changed(self) -> frozenset[str]:
+        """Resources with any change a reader can see (devices, their fields, leases)."""
+        return frozenset(resource for resource, diff in self.resources.items() if diff)
 
 
 @dataclass(frozen=True)
@@ -132,24 +190,6 @@ class DeviceTree:
     def build(cls, version: int, pools: Iterable[ResourcePool]) -> DeviceTree:
         return cls(version=version, pools=MappingProxyType({p.resource: p for p in pools}))
 
-    def changed_listings(self, older: DeviceTree) -> frozenset[str]:
-        """Resources whose kubelet-visible list (IDs, health, topology) differs from ``older``,
-        including resources that appeared or disappeared."""
-        changed = set(self.pools.keys() ^ older.pools.keys())
-        for resource in self.pools.keys() & older.pools.keys():
-            new_pool, old_pool = self.pools[resource], older.pools[resource]
-            if new_pool is not old_pool and new_pool.listing != old_pool.listing:
-                changed.add(resource)
-        return frozenset(changed)
-
-    def changed_resources(self, older: DeviceTree) -> dict[str, ResourceDiff]:
-        """Per resource, the device-level diff from ``older`` (only resources with a change)."""
-        result: dict[str, ResourceDiff] = {}
-        for resource in self.pools.keys() | older.pools.keys():
-            new_pool, old_pool = self.pools.get(resource), older.pools.get(resource)
-            if new_pool is old_pool:
-                continue
-            resource_diff = diff_pools(old_pool, new_pool)
-            if resource_diff or (new_pool is None) != (old_pool is None):
-                result[resource] = resource_diff
-        return result
+    def diff(self, older: DeviceTree) -> TreeDiff:
+        """What changed from ``older`` to this tree."""
+        return TreeDiff(older, self)

@@ -5,7 +5,7 @@ One inotify instance for the whole daemon (one per resource exhausted
 
 * ``kubelet.sock`` created in the device-plugin directory: a kubelet (re)started (it deletes
   every socket there first, then listens again);
-* a socket removed from a directory we serve in;
+* a socket removed from a directory we serve in (these two go to the device-plugin endpoints);
 * the config file written, replaced, or swapped ConfigMap-style (the ``..data`` symlink in its
   directory renamed into place): reload it.
 
@@ -23,7 +23,7 @@ from inotify_simple import INotify
 from inotify_simple import flags as in_flags
 
 from daemon.core import ConfigChanged, Event, KubeletSocketCreated, PluginSocketRemoved
-from daemon.core._settings import KUBELET_SOCKET_NAME
+from daemon.settings import KUBELET_SOCKET_NAME
 
 log = logging.getLogger("devplugd.inotify")
 
@@ -62,12 +62,17 @@ class InotifySource:
     def close(self) -> None:
         self._inotify.close()
 
-    async def run(self, send: trio.MemorySendChannel[Event]) -> None:
+    async def run(self, send: trio.MemorySendChannel[Event],
+                  kubelet_send: trio.MemorySendChannel[Event] | None = None) -> None:
+        """Send config changes on ``send`` (the bus) and the kubelet's socket events on
+        ``kubelet_send`` (to the device-plugin endpoints; the bus too when it is ``None``)."""
+        kubelet_channel = kubelet_send if kubelet_send is not None else send
         try:
             while True:
                 await trio.lowlevel.wait_readable(self._inotify.fileno())
                 for event in self._read():
-                    await send.send(event)
+                    kubelet_event = isinstance(event, (KubeletSocketCreated, PluginSocketRemoved))
+                    await (kubelet_channel if kubelet_event else send).send(event)
         finally:
             self.close()
 

@@ -63,13 +63,13 @@ from pyroute2.netlink.rtnl import RTM_DELLINK, RTM_GETLINK, RTM_NEWLINK, RTMGRP_
 from pyroute2.netlink.rtnl.ifinfmsg import IFF_LOWER_UP, IFF_UP, ifinfmsg
 
 from daemon.core import Event, LinkChanged, LinkSnapshot, LinkState
+from daemon.sources._netlink import raise_receive_buffer
 
 log = logging.getLogger("devplugd.links")
 
 SendChannel = trio.MemorySendChannel[Event]
 
 AF_UNSPEC = 0
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 # A dump datagram is at most 32 KiB (the kernel caps its dump buffers there); notifications are
 # smaller. A bigger buffer costs nothing and no datagram is ever truncated.
@@ -237,7 +237,7 @@ class _Netlink:
             self._iprsocket.bind(groups=RTMGRP_LINK)
             self._socket: socket.socket = self._iprsocket.socket
             self._socket.setblocking(False)
-            _force_receive_buffer(self._socket, receive_buffer)
+            raise_receive_buffer(self._socket, receive_buffer)
             _link_policy_only(self._iprsocket.marshal)
         except BaseException:
             self._iprsocket.close()
@@ -294,13 +294,6 @@ def _link_policy_only(marshal: Marshal) -> None:
     """
     marshal.msg_map.clear()
     marshal.msg_map.update({RTM_NEWLINK: _LinkHeaderMsg, RTM_DELLINK: _LinkHeaderMsg})
-
-
-def _force_receive_buffer(sock: socket.socket, size: int) -> None:
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
-    except PermissionError:
-        pass  # not root: SO_RCVBUF (set by pyroute2) is capped by net.core.rmem_max
 
 
 def _drain(netlink: _Netlink, tracker: _Tracker) -> list[Event]:

@@ -47,19 +47,19 @@ from typing import Any, Protocol
 import trio
 
 from daemon.core import Event, Resync, UEvent
+from daemon.sockets import SUN_PATH_MAX
+from daemon.sources._netlink import raise_receive_buffer
 from daemon.sources.uevent_wire import KERNEL_ACTIONS, UEventError, parse_kernel_uevent
 
 log = logging.getLogger("devplugd.uevents")
 
 NETLINK_KOBJECT_UEVENT = 15
 KERNEL_GROUP = 1
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 RECEIVE_BUFFER_BYTES = 16 * 1024 * 1024
 MAX_DATAGRAM_BYTES = 16 * 1024  # the kernel's uevent buffer is 2 KiB of properties plus the header
 DRAIN_BATCH = 256  # datagrams read between two trips through trio's scheduler
 UDEV_CONTROL = Path("/run/udev/control")
 OVERFLOW_REASON = "uevent overflow"
-UNIX_PATH_MAX = 107  # sun_path is 108 bytes, NUL included
 SOCKET_MODE = 0o600
 
 SendChannel = trio.MemorySendChannel[Event]
@@ -95,8 +95,8 @@ def make_uevent_source(spec: str, subsystems: frozenset[str], *, udev_control: P
 def _unix_path(raw: str) -> Path:
     if not raw:
         raise ValueError("--uevent-source unix:PATH needs a path")
-    if len(os.fsencode(raw)) > UNIX_PATH_MAX:
-        raise ValueError(f"--uevent-source unix:{raw}: a unix socket path has at most {UNIX_PATH_MAX} bytes")
+    if len(os.fsencode(raw)) > SUN_PATH_MAX:
+        raise ValueError(f"--uevent-source unix:{raw}: a unix socket path has at most {SUN_PATH_MAX} bytes")
     return Path(raw)
 
 
@@ -147,17 +147,6 @@ def _open_netlink(receive_buffer: int) -> socket.socket:
 def _from_kernel(address: Any) -> bool:
     """Only the kernel (netlink port id 0) sends real uevents on group 1."""
     return isinstance(address, tuple) and address[0] == 0
-
-
-def raise_receive_buffer(sock: socket.socket, size: int) -> int:
-    """Ask for a ``size``-byte receive buffer: past ``rmem_max`` when privileged. Returns what we got."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
-    except PermissionError:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)  # silently capped at rmem_max
-    granted: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-    log.debug("uevent receive buffer: asked %d, kernel granted %d", size, granted)
-    return granted
 
 
 class UnixUEventSource:

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from daemon.core import LinkState, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from daemon.core._sysfs import PathLike
+from daemon.core import PathLike
 
 from ._linktypes import link_type_name
 

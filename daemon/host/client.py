@@ -18,7 +18,8 @@ import grpc
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
-from daemon.core._host import describe_lease
+
+from ._leases import Lease
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -138,6 +139,11 @@ def command_leases(control_socket: Path, output: str) -> int:
                    ("missing: " + ",".join(x["missing_devices"])) if x["missing_devices"] else ""] for x in leases],
                  ["LEASE", "RESOURCE", "OWNER", "DEVICES", ""])
     return EXIT_OK
+
+
+def describe_lease(message: host.Lease) -> dict[str, Any]:
+    """The JSON shape of a lease that scripts rely on (``allocate -o json``, ``leases -o json``)."""
+    return Lease.from_message(message).to_json(missing_devices=message.missing_devices)
 
 
 def default_owner() -> str:

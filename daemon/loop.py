@@ -1,81 +1,89 @@
-"""The kernel loop: take events off the bus, route them, build the next DeviceTree, publish it.
+"""The event loop: take events off the bus, fold them into the handlers' facts, build the next
+DeviceTree, and publish it to the notifier — the one road to everything that reads the tree.
 
 Everything waiting on the bus is handled as one batch, so a burst (256 VFs from one
 ``sriov_numvfs`` write) becomes one new tree, not 256:
 
-* ``Resync`` rescans one handler (or all) in a worker thread;
+* ``Resync`` rescans a handler (or all) in a worker thread, once per handler however many
+  Resyncs the batch holds, before the batch's other events are folded;
 * a ``UEvent`` is folded into the facts of each handler whose ``subsystems`` include it
   (an empty set means every subsystem); link events go to handlers that set ``wants_links``;
-* ``ConfigChanged`` reloads the config once per batch: validated first, and on error the old
-  config keeps being served;
+* ``ConfigChanged`` reloads the config once per batch, validated by the running handlers; on
+  error the old config keeps being served;
 * ``LeasesChanged`` (a host lease granted or released) only asks for a new tree: leased devices
-  leave the kubelet's lists;
-* kubelet events go to the plugin servers.
+  leave the kubelet's lists.
 
-Then every handler builds its pools from its facts, the core assembles an immutable DeviceTree,
-and the notifier wakes only the streams of resources that changed. A handler that raises is
-logged with the event and keeps the devices it had in the last good tree.
+Then every handler builds its pools from its facts (in a worker thread after a rescan or a
+reload, when a build is a full one), the loop assembles an immutable DeviceTree and publishes it.
+A handler hook that raises is logged with the event and keeps the handler's last good devices.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
 import trio
 
 from daemon.core import (
+    AnyHandler,
     ConfigChanged,
+    ConfigFileError,
+    ConfiguredPool,
+    DaemonConfig,
+    DeviceMap,
+    DeviceTree,
     Event,
-    Handler,
-    KubeletSocketCreated,
     LeasesChanged,
     LinkChanged,
     LinkSnapshot,
-    PluginSocketRemoved,
+    Notifier,
     ResourcePool,
     Resync,
     UEvent,
+    tell_lifecycle,
 )
-from daemon.core._config import ConfigFileError, DaemonConfig
-from daemon.core._handler import tell_lifecycle
-from daemon.core._notifier import Notifier
-from daemon.core._plugins import PluginManager
-from daemon.core._systemd import ServiceManager
-from daemon.core._tree import DeviceTree
+from daemon.service import ServiceManager
 
-log = logging.getLogger("devplugd.kernel")
+log = logging.getLogger("devplugd.loop")
+
+# (facts, pools, devices) a handler's last build came from and gave
+_Built = tuple[object, tuple[ConfiguredPool[Any], ...], Mapping[str, DeviceMap]]
 
 
 def describe(event: Event) -> str:
     if isinstance(event, UEvent):
         return f"uevent {event.action} {event.devpath}"
+    if isinstance(event, Resync):
+        return f"resync ({event.reason})"
     return type(event).__name__
 
 
-class Kernel:
+def describe_batch(batch: Sequence[Event]) -> str:
+    shown = ", ".join(describe(event) for event in batch[:3])
+    return shown + (f" and {len(batch) - 3} more" if len(batch) > 3 else "")
+
+
+class EventLoop:
     def __init__(
         self,
-        handlers: Mapping[str, Handler],
+        handlers: Mapping[str, AnyHandler],
         config: DaemonConfig,
         notifier: Notifier,
-        plugins: PluginManager,
-        load_config: Callable[[], DaemonConfig],
+        reload_config: Callable[[], DaemonConfig],
         service: ServiceManager | None = None,
         lease_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
     ) -> None:
-        self._lease_holders = lease_holders
-        self._service = service or ServiceManager()
-        self.on_published: Callable[[DeviceTree], None] = lambda tree: None
         self._handlers = handlers
         self._config = config
         self._notifier = notifier
-        self._plugins = plugins
-        self._load_config = load_config
-        self._facts: dict[str, Any] = {}
-        self._built: dict[str, tuple[Any, tuple[Any, ...], Mapping[str, Any]]] = {}  # name -> (facts, pools, built)
+        self._reload_config = reload_config
+        self._service = service or ServiceManager()
+        self._lease_holders = lease_holders
+        self._facts: dict[str, object] = {}
+        self._built: dict[str, _Built] = {}
         self.first_tree_published = trio.Event()
         self.reloads = 0
 
@@ -91,19 +99,25 @@ class Kernel:
                     batch.append(events.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
-            if await self._route(batch):
-                self._publish()
+            changed, full_build = await self._route(batch)
+            if changed:
+                await self._publish(batch, in_thread=full_build)
 
-    async def _route(self, batch: list[Event]) -> bool:
-        """Apply a batch of events; return whether a new tree may be due."""
+    async def _route(self, batch: list[Event]) -> tuple[bool, bool]:
+        """Apply a batch of events; return whether a new tree may be due, and whether its build is
+        likely a full one (after a rescan or a reload)."""
         changed = False
-        reload_reasons: list[str] = []
+        rescans: dict[str, Resync] = {}
         for event in batch:
             if isinstance(event, Resync):
-                names = list(self._handlers) if event.handler is None else [event.handler]
-                for name in names:
-                    changed |= await self._rescan(name, event)
-            elif isinstance(event, UEvent):
+                for name in self._handlers if event.handler is None else [event.handler]:
+                    rescans.setdefault(name, event)
+        for name, resync in rescans.items():
+            if name in self._handlers:
+                changed |= await self._rescan(name, resync)
+        reload_reasons: list[str] = []
+        for event in batch:
+            if isinstance(event, UEvent):
                 for name, handler in self._handlers.items():
                     if not handler.subsystems or event.subsystem in handler.subsystems:
                         changed |= self._fold(name, event)
@@ -115,13 +129,8 @@ class Kernel:
                 reload_reasons.append(event.reason)
             elif isinstance(event, LeasesChanged):
                 changed = True
-            elif isinstance(event, KubeletSocketCreated):
-                self._plugins.kubelet_started()
-            elif isinstance(event, PluginSocketRemoved):
-                self._plugins.socket_removed(event.path)
-        if reload_reasons:
-            changed |= self._reload(reload_reasons)
-        return changed
+        reloaded = bool(reload_reasons) and self._reload(reload_reasons)
+        return changed or reloaded, bool(rescans) or reloaded
 
     async def _rescan(self, name: str, event: Resync) -> bool:
         handler = self._handlers[name]
@@ -133,7 +142,7 @@ class Kernel:
                 self._facts[name] = await trio.to_thread.run_sync(handler.fold, facts, event)
         except Exception:
             log.exception("handler %s failed to scan (%s); keeping its last devices", name, event.reason,
-                          extra={"EVENT": f"resync:{event.reason}"})
+                          extra={"EVENT": describe(event)})
             return False
         return True
 
@@ -160,7 +169,7 @@ class Kernel:
 
     def _apply_config(self) -> bool:
         try:
-            config = self._load_config()
+            config = self._reload_config()
         except ConfigFileError as error:
             log.error("config reload refused, still serving the previous config: %s", error,
                       extra={"CONFIG_PATH": error.json_path, "EVENT": "reload"})
@@ -178,46 +187,61 @@ class Kernel:
         self.reloads += 1
         return True
 
-    def _publish(self) -> None:
+    def _build(self, name: str, handler: AnyHandler, configured: tuple[ConfiguredPool[Any], ...],
+               batch: Sequence[Event]) -> Mapping[str, DeviceMap] | None:
+        """The handler's devices per resource (its last build when nothing of it changed);
+        ``None`` when the build failed (logged)."""
+        facts = self._facts.get(name)
+        last = self._built.get(name)
+        if last is not None and last[0] is facts and last[1] == configured:
+            return last[2]
+        try:
+            built = handler.build(facts, configured) if name in self._facts else {}
+        except Exception:
+            log.exception("handler %s failed to build its pools; keeping its last devices", name,
+                          extra={"EVENT": describe_batch(batch)})
+            return None
+        self._built[name] = (facts, configured, built)
+        return built
+
+    def _build_all(self, batch: Sequence[Event]) -> dict[str, Mapping[str, DeviceMap] | None]:
+        return {name: self._build(name, handler, self._config.pools_of(name), batch)
+                for name, handler in self._handlers.items() if self._config.pools_of(name)}
+
+    async def _publish(self, batch: Sequence[Event], *, in_thread: bool) -> None:
+        if in_thread:  # a full build of thousands of devices takes tens of milliseconds
+            builds = await trio.to_thread.run_sync(self._build_all, batch)
+        else:
+            builds = self._build_all(batch)
         previous = self._notifier.tree
         holders = self._lease_holders()
         pools: list[ResourcePool] = []
-        for name, handler in self._handlers.items():
+        for name, built in builds.items():
             configured = self._config.pools_of(name)
-            if not configured:
-                continue
-            try:
-                facts = self._facts.get(name)
-                last = self._built.get(name)
-                if last is not None and last[0] is facts and last[1] == configured:
-                    built = last[2]  # nothing of this handler changed: skip its build
-                else:
-                    built = handler.build(facts, configured) if name in self._facts else {}
-                    self._built[name] = (facts, configured, built)
-            except Exception:
-                log.exception("handler %s failed to build its pools; keeping its last devices", name)
+            if built is None:
                 pools.extend(previous.pools[p.resource] for p in configured if p.resource in previous.pools)
                 continue
             for pool_config in configured:
-                resource = pool_config.resource
-                devices = built.get(resource, {})
-                leased = frozenset(d for (r, d) in holders if r == resource and d in devices) if holders else frozenset()
-                old = previous.pools.get(resource)
-                if old is not None and old.pool_config is pool_config and old.leased == leased and (
-                    old.devices is devices or old.devices == devices
-                ):
-                    pools.append(old)  # unchanged: keep the same object (and its cached listing)
-                else:
-                    if not isinstance(devices, MappingProxyType):
-                        devices = MappingProxyType(dict(devices))  # the tree never shares a mutable map
-                    pools.append(ResourcePool(resource, name, pool_config, devices, leased))
+                pools.append(self._pool(previous, name, pool_config, built.get(pool_config.resource, {}), holders))
         tree = DeviceTree.build(previous.version + 1, pools)
-        changed = self._notifier.publish(tree)
-        for resource in sorted(changed):
+        self._notifier.publish(tree)
+        for resource in sorted(tree.diff(previous).listings_changed):
             pool = tree.pools.get(resource)
             if pool is not None:
                 log.info("%s: %d devices (%d healthy)", resource, len(pool.devices), pool.healthy_count,
                          extra={"RESOURCE": resource})
-        self._plugins.sync(tree)
-        self.on_published(tree)
         self.first_tree_published.set()
+
+    @staticmethod
+    def _pool(previous: DeviceTree, handler: str, pool_config: ConfiguredPool[Any], devices: DeviceMap,
+              holders: Mapping[tuple[str, str], object]) -> ResourcePool:
+        resource = pool_config.resource
+        leased = frozenset(d for (r, d) in holders if r == resource and d in devices) if holders else frozenset()
+        old = previous.pools.get(resource)
+        if old is not None and old.pool_config is pool_config and old.leased == leased and (
+            old.devices is devices or old.devices == devices
+        ):
+            return old  # unchanged: keep the same object (and its cached listing)
+        if not isinstance(devices, MappingProxyType):
+            devices = MappingProxyType(dict(devices))  # the tree never shares a mutable map
+        return ResourcePool(resource, handler, pool_config, devices, leased)

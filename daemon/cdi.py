@@ -20,9 +20,8 @@ from typing import Any
 
 import trio
 
-from ._leases import write_atomically
-from ._notifier import LatestValue
-from ._tree import DeviceInfo, DeviceTree, ResourcePool
+from daemon.core import ContainerAllocation, DeviceInfo, DeviceTree, LatestValue, ResourcePool
+from daemon.files import write_atomically
 
 log = logging.getLogger("devplugd.cdi")
 
@@ -51,6 +50,13 @@ def cdi_device_name(device_id: str) -> str:
 def cdi_names(resource: str, device_ids: Sequence[str]) -> list[str]:
     kind = cdi_kind(resource)
     return [f"{kind}={cdi_device_name(device_id)}" for device_id in device_ids]
+
+
+def with_cdi_names(allocation: ContainerAllocation, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
+    """``allocation`` with the CDI names of ``device_ids`` added, less those the handler had to
+    read afresh (their spec may still say the old thing)."""
+    allocation.cdi_devices.extend(cdi_names(resource, [d for d in device_ids if d not in allocation.reread]))
+    return allocation
 
 
 def cdi_env_name(resource: str) -> str:
@@ -86,18 +92,11 @@ def _device_entry(device_id: str, info: DeviceInfo, env_name: str) -> tuple[dict
     return {"name": cdi_device_name(device_id), "containerEdits": edits}, needs_host_path
 
 
-def build_spec(pool: ResourcePool) -> dict[str, Any]:
-    env_name = cdi_env_name(pool.resource)
-    entries = [_device_entry(device_id, info, env_name) for device_id, info in sorted(pool.devices.items())]
-    return {"cdiVersion": "0.5.0" if any(needs for _, needs in entries) else "0.3.0",
-            "kind": cdi_kind(pool.resource), "devices": [entry for entry, _ in entries]}
-
-
 _Fragments = dict[str, tuple[DeviceInfo, bytes, bool]]
 
 
 def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments]:
-    """``build_spec(pool)`` as compact JSON, reusing the encoded devices of ``known`` whose
+    """The CDI spec of ``pool`` as compact JSON, reusing the encoded devices of ``known`` whose
     DeviceInfo is the very same object (a tree keeps unchanged devices' objects): one changed
     device in a pool of hundreds costs one device's encoding."""
     env_name = cdi_env_name(pool.resource)
@@ -115,9 +114,9 @@ def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments
 
 
 class CdiWriter:
-    """Keeps the spec files in step with the newest tree. ``run`` is a task of its own, woken by
-    ``offer``, writing SETTLE_SECONDS after a change: spec writing never delays a ListAndWatch
-    message, and a burst of trees is written once."""
+    """Keeps the spec files in step with the newest tree: a subscriber of the notifier. ``run``
+    is a task of its own, woken by ``offer``, writing SETTLE_SECONDS after a change: spec writing
+    never delays a ListAndWatch message, and a burst of trees is written once."""
 
     def __init__(self, directory: Path) -> None:
         self._wakeup = trio.Event()

@@ -1,9 +1,9 @@
-"""The gRPC face of one resource: DevicePlugin (and, in watcher mode, pluginregistration).
+"""The gRPC face of one resource: DevicePlugin.
 
 These coroutines run on the asyncio loop that trio-asyncio hosts inside trio, on the one thread,
 so they read the current DeviceTree with plain attribute access. Allocate answers come from the
-tree that is current when the call arrives; ListAndWatch streams get their updates from the
-notifier through a one-slot mailbox (the newest list wins, never a backlog).
+tree that is current when the call arrives; ListAndWatch streams get their updates through a
+one-slot mailbox each (the newest list wins, never a backlog), fed by the resource's endpoint.
 """
 
 from __future__ import annotations
@@ -11,33 +11,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import NoReturn
 
 import grpc
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from daemon._generated.pluginregistration.v1 import api_pb2 as reg
-from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-
-from ._cdi import cdi_names
-from ._handler import (
+from daemon.cdi import with_cdi_names
+from daemon.core import (
+    HEALTHY,
     AllocationError,
-    Allocator,
+    AnyHandler,
     ContainerAllocation,
     ContainerPreStarter,
-    Handler,
-    PostAllocator,
+    HandlerFailed,
+    LatestValue,
+    Notifier,
     PreferredAllocator,
-    UseDefault,
-    default_allocation,
+    ResourcePool,
+    allocate_container,
 )
-from ._notifier import LatestValue, Notifier
-from ._tree import HEALTHY, ResourcePool
 
-log = logging.getLogger("devplugd.server")
+log = logging.getLogger("devplugd.deviceplugin")
 
-API_VERSION = "v1beta1"
 MAX_IDS_NAMED = 5
 # A stream sends a change at once when it has been quiet for COALESCE_QUIET. Changes that come
 # sooner are held until none has come for COALESCE_QUIET (the burst is over), but never longer
@@ -141,27 +138,6 @@ def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequen
     return None
 
 
-def allocate_container(
-    handler: Handler, pool: ResourcePool, device_ids: Sequence[str], *, with_cdi: bool = False
-) -> ContainerAllocation:
-    """The handler's answer (Allocator, else the default), then its PostAllocator; with
-    ``with_cdi``, the CDI names of the devices (not of those the handler had to read afresh)."""
-    allocation: ContainerAllocation | None = None
-    if isinstance(handler, Allocator):
-        try:
-            allocation = handler.allocate(pool, device_ids)
-        except UseDefault:
-            allocation = None
-    if allocation is None:
-        allocation = default_allocation(pool, device_ids)
-    if isinstance(handler, PostAllocator):
-        allocation = handler.post_allocate(pool, device_ids, allocation)
-    if with_cdi:
-        allocation.cdi_devices.extend(
-            cdi_names(pool.resource, [device for device in device_ids if device not in allocation.reread]))
-    return allocation
-
-
 def container_response(allocation: ContainerAllocation) -> dp.ContainerAllocateResponse:
     return dp.ContainerAllocateResponse(
         envs=allocation.envs,
@@ -179,9 +155,10 @@ def container_response(allocation: ContainerAllocation) -> dp.ContainerAllocateR
 
 
 class DevicePluginServicer(dp_grpc.DevicePluginServicer):
-    """DevicePlugin for one resource, reading the notifier's current tree."""
+    """DevicePlugin for one resource. Allocate reads the notifier's current tree; ListAndWatch
+    streams hear of changes through ``offer``, which the resource's endpoint calls."""
 
-    def __init__(self, resource: str, handler: Handler, notifier: Notifier, with_cdi: bool = False) -> None:
+    def __init__(self, resource: str, handler: AnyHandler, notifier: Notifier, with_cdi: bool = False) -> None:
         self._with_cdi = with_cdi
         self.resource = resource
         self._handler = handler
@@ -189,18 +166,28 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         self._streams: set[StreamMailbox] = set()
         self._messages = ListingMessages()
 
+    def _pool(self) -> ResourcePool | None:
+        return self._notifier.tree.pools.get(self.resource)
+
+    def offer(self, pool: ResourcePool | None) -> None:
+        """The resource's list changed: every open stream gets the newest pool."""
+        for mailbox in self._streams:
+            mailbox.offer(pool)
+
     def close_streams(self) -> None:
         """End every open ListAndWatch stream (before the server stops or we register again)."""
         for mailbox in tuple(self._streams):
             mailbox.close()
 
     def options(self) -> dp.DevicePluginOptions:
-        pool = self._notifier.tree.pools.get(self.resource)
-        preferred = (
-            isinstance(self._handler, PreferredAllocator)
-            and pool is not None
-            and self._handler.offers_preferred_allocation(pool)
-        )
+        pool = self._pool()
+        preferred = False
+        if isinstance(self._handler, PreferredAllocator) and pool is not None:
+            try:
+                preferred = self._handler.offers_preferred_allocation(pool)
+            except Exception:
+                log.exception("handler %s failed in offers_preferred_allocation for %s; not offering it",
+                              self._handler.name, self.resource, extra={"RESOURCE": self.resource})
         return dp.DevicePluginOptions(
             pre_start_required=isinstance(self._handler, ContainerPreStarter),
             get_preferred_allocation_available=preferred,
@@ -212,7 +199,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     async def ListAndWatch(self, request: dp.Empty, context: grpc.aio.ServicerContext) -> AsyncIterator[dp.ListAndWatchResponse]:
         mailbox = StreamMailbox()
         self._streams.add(mailbox)
-        pool = self._notifier.subscribe(self.resource, mailbox)
+        pool = self._pool()
         try:
             last_listing = pool.listing if pool is not None else ()
             yield self._messages.response(pool)
@@ -227,105 +214,77 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         except _StreamClosed:
             return
         finally:
-            self._notifier.unsubscribe(self.resource, mailbox)
             self._streams.discard(mailbox)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+        await context.abort(code, message)
+        raise AssertionError("abort raises")  # for type checkers
 
     async def Allocate(self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext) -> dp.AllocateResponse:
         if not request.container_requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Allocate for {self.resource}: no container_requests")
-        pool = self._notifier.tree.pools.get(self.resource)
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"Allocate for {self.resource}: no container_requests")
+        pool = self._pool()
         responses = []
         for index, container_request in enumerate(request.container_requests):
             device_ids = list(container_request.devices_ids)
             problem = request_problem(pool, self.resource, device_ids)
             if problem is not None or pool is None:
                 log.warning("refused Allocate: container request %d: %s", index, problem, extra={"RESOURCE": self.resource})
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
-                raise AssertionError  # abort raises; this keeps type checkers honest
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
             try:
-                allocation = allocate_container(self._handler, pool, device_ids, with_cdi=self._with_cdi)
+                allocation = allocate_container(self._handler, pool, device_ids)
             except (AllocationError, OSError) as error:
                 log.error("Allocate failed for %s: %s", self.resource, error, extra={"RESOURCE": self.resource})
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")
+                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")
+            except HandlerFailed as error:
+                log.error("Allocate failed for %s: %s", self.resource, error, exc_info=error.__cause__,
+                          extra={"RESOURCE": self.resource})
+                await self._refuse(context, grpc.StatusCode.INTERNAL, f"container request {index}: {error}")
+            if self._with_cdi:
+                with_cdi_names(allocation, self.resource, device_ids)
             responses.append(container_response(allocation))
         return dp.AllocateResponse(container_responses=responses)
 
     async def GetPreferredAllocation(
         self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
     ) -> dp.PreferredAllocationResponse:
-        pool = self._notifier.tree.pools.get(self.resource)
+        pool = self._pool()
         handler = self._handler
-        if not isinstance(handler, PreferredAllocator) or pool is None or not handler.offers_preferred_allocation(pool):
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.resource} does not offer GetPreferredAllocation")
-            raise AssertionError
+        if not isinstance(handler, PreferredAllocator) or pool is None or not self.options().get_preferred_allocation_available:
+            await self._refuse(context, grpc.StatusCode.UNIMPLEMENTED,
+                               f"{self.resource} does not offer GetPreferredAllocation")
         responses = []
         for container_request in request.container_requests:
-            chosen = handler.preferred_allocation(
-                pool,
-                list(container_request.available_deviceIDs),
-                list(container_request.must_include_deviceIDs),
-                container_request.allocation_size,
-            )
+            try:
+                chosen = handler.preferred_allocation(
+                    pool,
+                    list(container_request.available_deviceIDs),
+                    list(container_request.must_include_deviceIDs),
+                    container_request.allocation_size,
+                )
+            except AllocationError as error:
+                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            except Exception as error:
+                log.exception("handler %s failed in preferred_allocation for %s", handler.name, self.resource,
+                              extra={"RESOURCE": self.resource})
+                await self._refuse(context, grpc.StatusCode.INTERNAL,
+                                   f"handler {handler.name} failed: {type(error).__name__}: {error}")
             responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return dp.PreferredAllocationResponse(container_responses=responses)
 
     async def PreStartContainer(
         self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext
     ) -> dp.PreStartContainerResponse:
-        pool = self._notifier.tree.pools.get(self.resource)
+        pool = self._pool()
         if isinstance(self._handler, ContainerPreStarter) and pool is not None:
             try:
                 self._handler.pre_start_container(pool, list(request.devices_ids))
             except AllocationError as error:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
+            except Exception as error:
+                log.exception("handler %s failed in pre_start_container for %s", self._handler.name,
+                              self.resource, extra={"RESOURCE": self.resource})
+                await self._refuse(context, grpc.StatusCode.INTERNAL,
+                                   f"handler {self._handler.name} failed: {type(error).__name__}: {error}")
         return dp.PreStartContainerResponse()
-
-
-class WatcherRegistrationServicer(reg_grpc.RegistrationServicer):
-    """pluginregistration.Registration, served beside DevicePlugin on a plugins_registry socket."""
-
-    def __init__(self, resource: str, on_status: Callable[[bool, str], None]) -> None:
-        self._resource = resource
-        self._on_status = on_status
-
-    async def GetInfo(self, request: reg.InfoRequest, context: grpc.aio.ServicerContext) -> reg.PluginInfo:
-        return reg.PluginInfo(type="DevicePlugin", name=self._resource, endpoint="", supported_versions=[API_VERSION])
-
-    async def NotifyRegistrationStatus(
-        self, request: reg.RegistrationStatus, context: grpc.aio.ServicerContext
-    ) -> reg.RegistrationStatusResponse:
-        self._on_status(request.plugin_registered, request.error)
-        return reg.RegistrationStatusResponse()
-
-
-async def start_grpc_server(
-    socket_path: str,
-    servicer: DevicePluginServicer,
-    registration: WatcherRegistrationServicer | None,
-) -> grpc.aio.Server:
-    """Listen on ``socket_path`` (an asyncio coroutine: call it through aio_as_trio)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    dp_grpc.add_DevicePluginServicer_to_server(servicer, server)
-    if registration is not None:
-        reg_grpc.add_RegistrationServicer_to_server(registration, server)
-    return await start_unix_server(server, socket_path)
-
-
-async def start_unix_server(server: grpc.aio.Server, socket_path: str) -> grpc.aio.Server:
-    """Start ``server`` (its servicers added) listening on the unix socket ``socket_path``."""
-    if server.add_insecure_port(f"unix://{socket_path}") == 0:
-        raise OSError(f"cannot listen on {socket_path}")
-    await server.start()
-    return server
-
-
-async def register_with_kubelet(
-    kubelet_socket: str, endpoint: str, resource: str, options: dp.DevicePluginOptions, timeout: float
-) -> None:
-    """Call Register on kubelet.sock (asyncio coroutine). Raises grpc.aio.AioRpcError."""
-    async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
-        stub = dp_grpc.RegistrationStub(channel)
-        await stub.Register(
-            dp.RegisterRequest(version=API_VERSION, endpoint=endpoint, resource_name=resource, options=options),
-            timeout=timeout,
-        )

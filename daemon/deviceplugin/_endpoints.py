@@ -1,10 +1,13 @@
-"""The set of served resources: one ResourceEndpoint task per resource that has devices.
+"""The kubelet's side of the tree: one ResourceEndpoint task per resource that has devices.
 
-``sync(tree)`` is called after every new tree. A resource gets its server the first time its pool
-has a device (the kubelet never sees an empty first list from us) and keeps it until the pool
-leaves the config; it is served again (and registers again) when its options change, as a
-reloaded ``allocationPolicy`` does, since the kubelet reads them only at registration. Kubelet
-events are passed to every endpoint, which decides for itself.
+``Endpoints`` is a subscriber of the notifier. Each tree it is offered does two cheap things and
+returns: it starts, restarts or withdraws endpoints (a resource gets its server the first time
+its pool has a device, so the kubelet never sees an empty first list from us, and keeps it until
+the pool leaves the config; it is served again, and registers again, when its options change, as
+a reloaded ``allocationPolicy`` does, since the kubelet reads them only at registration), and it
+hands each resource whose kubelet-visible list changed to that endpoint's ListAndWatch streams,
+each a one-slot mailbox. Kubelet events (``kubelet.sock`` created, our sockets removed) come on
+their own channel from the inotify source and go to every endpoint, which decides for itself.
 """
 
 from __future__ import annotations
@@ -14,21 +17,21 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from ._endpoint import ResourceEndpoint, remove_stale_sockets
-from ._handler import Handler
-from ._notifier import Notifier
-from ._settings import Settings
-from ._tree import DeviceTree
+from daemon.core import AnyHandler, DeviceTree, Event, KubeletSocketCreated, Notifier, PluginSocketRemoved
+from daemon.settings import Settings
+from daemon.sockets import remove_stale_sockets
 
-log = logging.getLogger("devplugd.plugins")
+from ._endpoint import ResourceEndpoint
+
+log = logging.getLogger("devplugd.deviceplugin")
 
 
-class PluginManager:
+class Endpoints:
     def __init__(
         self,
         settings: Settings,
         notifier: Notifier,
-        handlers: Mapping[str, Handler],
+        handlers: Mapping[str, AnyHandler],
         nursery: trio.Nursery,
     ) -> None:
         self._settings = settings
@@ -37,6 +40,7 @@ class PluginManager:
         self._nursery = nursery
         self.mode = settings.effective_registration()
         self._endpoints: dict[str, tuple[ResourceEndpoint, trio.CancelScope]] = {}
+        self._tree = DeviceTree.empty()
         self._changed = trio.Event()
         self.on_change: Callable[[], None] = lambda: None
 
@@ -46,10 +50,6 @@ class PluginManager:
         )
         for name in remove_stale_sockets(directory):
             log.info("removed stale socket %s", directory / name)
-
-    @property
-    def endpoints(self) -> dict[str, ResourceEndpoint]:
-        return {resource: endpoint for resource, (endpoint, _) in self._endpoints.items()}
 
     @property
     def served_count(self) -> int:
@@ -75,12 +75,21 @@ class PluginManager:
         self._changed = trio.Event()
         self.on_change()
 
-    def sync(self, tree: DeviceTree) -> None:
+    def offer(self, tree: DeviceTree) -> None:
+        previous, self._tree = self._tree, tree
+        self._sync(tree)
+        for resource in tree.diff(previous).listings_changed:
+            current = self._endpoints.get(resource)
+            if current is not None:
+                current[0].offer(tree.pools.get(resource))
+
+    def _sync(self, tree: DeviceTree) -> None:
         for resource, pool in tree.pools.items():
             current = self._endpoints.get(resource)
             if current is not None and current[0].handler_name != pool.handler:
                 log.info("%s moved to handler %s: serving it again", resource, pool.handler,
                          extra={"RESOURCE": resource})
+                current[0].offer(None)
                 current[1].cancel()
                 del self._endpoints[resource]
             if resource in self._endpoints:
@@ -98,6 +107,7 @@ class PluginManager:
         for resource in [r for r in self._endpoints if r not in tree.pools]:
             endpoint, scope = self._endpoints.pop(resource)
             log.info("withdrawing %s", resource, extra={"RESOURCE": resource})
+            endpoint.offer(None)
             scope.cancel()
             self._endpoint_changed()
 
@@ -105,10 +115,11 @@ class PluginManager:
         with scope:
             await endpoint.run()
 
-    def kubelet_started(self) -> None:
-        for endpoint, _ in self._endpoints.values():
-            endpoint.kubelet_started()
-
-    def socket_removed(self, path: str) -> None:
-        for endpoint, _ in self._endpoints.values():
-            endpoint.socket_removed(path)
+    async def follow_kubelet(self, events: trio.MemoryReceiveChannel[Event]) -> None:
+        """Pass the kubelet's restarts and socket removals to every endpoint."""
+        async for event in events:
+            for endpoint, _ in tuple(self._endpoints.values()):
+                if isinstance(event, KubeletSocketCreated):
+                    endpoint.kubelet_started()
+                elif isinstance(event, PluginSocketRemoved):
+                    endpoint.socket_removed(event.path)

@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,20 +28,15 @@ from trio_asyncio import aio_as_trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 
-from ._handler import Handler
-from ._notifier import Notifier
-from ._servicer import (
-    DevicePluginServicer,
-    WatcherRegistrationServicer,
-    register_with_kubelet,
-    start_grpc_server,
-)
-from ._settings import Settings
+from daemon.core import AnyHandler, Notifier, ResourcePool
+from daemon.settings import Settings
+from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
 
-log = logging.getLogger("devplugd.endpoint")
+from ._registration import WatcherRegistrationServicer, register_with_kubelet, start_grpc_server
+from ._servicer import DevicePluginServicer
 
-SOCKET_PREFIX = "devplugd-"
-MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+log = logging.getLogger("devplugd.deviceplugin")
+
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
 STOP_GRACE = 0.2
@@ -53,7 +46,10 @@ STOP_GRACE = 0.2
 class Backoff:
     first: float = BACKOFF_FIRST
     maximum: float = BACKOFF_MAX
-    _next: float = field(default=BACKOFF_FIRST, init=False)
+    _next: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self._next = self.first
 
     def reset(self) -> None:
         self._next = self.first
@@ -68,27 +64,9 @@ def socket_file_name(resource: str, suffix: str, directory: Path) -> str:
     readable = resource.replace("/", "_")
     tail = f"-{suffix}.sock" if suffix else ".sock"
     name = f"{SOCKET_PREFIX}{readable}{tail}"
-    if len(str(directory / name)) > MAX_SOCKET_PATH:
+    if len(str(directory / name)) > SUN_PATH_MAX:
         name = f"{SOCKET_PREFIX}{hashlib.sha256(resource.encode()).hexdigest()[:16]}{tail}"
     return name
-
-
-def remove_stale_sockets(directory: Path) -> list[str]:
-    """Remove sockets a previous devplugd left in ``directory`` (only ``devplugd-*`` sockets)."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        path = directory / name
-        try:
-            if name.startswith(SOCKET_PREFIX) and stat.S_ISSOCK(os.lstat(path).st_mode):
-                path.unlink()
-                removed.append(name)
-        except OSError:
-            continue
-    return removed
 
 
 class Kick:
@@ -123,7 +101,7 @@ class ResourceEndpoint:
         self,
         resource: str,
         handler_name: str,
-        handler: Handler,
+        handler: AnyHandler,
         notifier: Notifier,
         settings: Settings,
         mode: str,
@@ -151,6 +129,11 @@ class ResourceEndpoint:
         self._generation += 1
         directory = self._settings.device_plugin_dir
         return directory / socket_file_name(self.resource, f"{self._start_token}.{self._generation}", directory)
+
+    def offer(self, pool: ResourcePool | None) -> None:
+        """The resource's kubelet-visible list changed: tell the ListAndWatch streams."""
+        if self._servicer is not None:
+            self._servicer.offer(pool)
 
     def kubelet_started(self) -> None:
         self.kick.kubelet_started = True
@@ -273,11 +256,3 @@ class ResourceEndpoint:
                  extra={"RESOURCE": self.resource})
         return math.inf
 
-
-def remove_socket_file(path: Path) -> None:
-    """Remove ``path`` if it is a socket (a stale one of ours); leave anything else alone."""
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            path.unlink()
-    except OSError:
-        pass

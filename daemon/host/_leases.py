@@ -3,13 +3,14 @@
 A lease records the allocation answer it gave (envs, device specs, mounts, CDI names) so it
 stays valid for its whole life, like the kubelet's checkpointed Allocate answers. The lease file
 (``<state-dir>/leases.json``) is written atomically before an answer is sent: a temporary file
-in the same directory, fsync, rename over the old one, fsync of the directory. A ``kill -9`` at
+in the same directory, fsync, rename over the old one, fsync of the directory, in a worker thread. A ``kill -9`` at
 any moment leaves the old or the new file, never a torn one. A file that cannot be read is moved
 aside with a loud error and the daemon starts with no leases rather than not at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -21,8 +22,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ._handler import ContainerAllocation
-from ._tree import DeviceSpec, Mount
+from daemon._generated.devplugd.host.v1 import host_pb2 as host
+from daemon.core import ContainerAllocation, DeviceSpec, Mount
+from daemon.files import write_atomically
 
 log = logging.getLogger("devplugd.leases")
 
@@ -32,6 +34,10 @@ FORMAT_VERSION = 1
 
 class LeaseError(Exception):
     """A lease request that cannot be granted; the message names the input and the reason."""
+
+
+class NotEnoughFree(LeaseError):
+    """Fewer free devices than asked for: the pool is exhausted for this request."""
 
 
 @dataclass(frozen=True)
@@ -62,14 +68,16 @@ class Lease:
             cdi_devices=tuple(allocation.cdi_devices),
         )
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, missing_devices: Sequence[str] | None = None) -> dict[str, Any]:
+        """The JSON shape of a lease, the same in the lease file and in the CLI's ``-o json``
+        (which adds ``missing_devices``: the lease's devices no longer in their pool)."""
+        document: dict[str, Any] = {
             "lease": self.lease,
             "resource": self.resource,
             "owner": self.owner,
             "devices": list(self.devices),
-            "created": self.created,
             "envs": dict(self.envs),
+            "cdi_devices": list(self.cdi_devices),
             "device_specs": [
                 {"container_path": s.container_path, "host_path": s.host_path, "permissions": s.permissions}
                 for s in self.specs
@@ -79,8 +87,32 @@ class Lease:
                 for m in self.mounts
             ],
             "annotations": dict(self.annotations),
-            "cdi_devices": list(self.cdi_devices),
+            "created": self.created,
         }
+        if missing_devices is not None:
+            document["missing_devices"] = list(missing_devices)
+        return document
+
+    def to_message(self, missing_devices: Sequence[str] = ()) -> host.Lease:
+        return host.Lease(
+            lease=self.lease, resource=self.resource, owner=self.owner, devices=self.devices,
+            envs=self.envs, annotations=self.annotations, cdi_devices=self.cdi_devices,
+            created=self.created, missing_devices=missing_devices,
+            device_specs=[host.DeviceSpec(container_path=s.container_path, host_path=s.host_path,
+                                          permissions=s.permissions) for s in self.specs],
+            mounts=[host.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+                    for m in self.mounts],
+        )
+
+    @classmethod
+    def from_message(cls, message: host.Lease) -> Lease:
+        return cls(
+            lease=message.lease, resource=message.resource, owner=message.owner, devices=tuple(message.devices),
+            created=message.created, envs=MappingProxyType(dict(message.envs)),
+            specs=tuple(DeviceSpec(s.container_path, s.host_path, s.permissions) for s in message.device_specs),
+            mounts=tuple(Mount(m.container_path, m.host_path, m.read_only) for m in message.mounts),
+            annotations=MappingProxyType(dict(message.annotations)), cdi_devices=tuple(message.cdi_devices),
+        )
 
     @classmethod
     def from_json(cls, item: Mapping[str, Any]) -> Lease:
@@ -100,36 +132,22 @@ class Lease:
         )
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o600, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` so that readers and crashes see the old or the new content.
-
-    ``durable`` adds the fsyncs (file, then directory) that make the new content survive a power
-    loss; files on a tmpfs (CDI specs in /var/run) need only the rename."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        os.write(descriptor, data)
-        if durable:
-            os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-    os.rename(temporary, path)
-    if not durable:
-        return
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 class LeaseBook:
-    """The leases in force, and their file. Changed only through ``add`` and ``remove``, each of
-    which has the file written before it returns."""
+    """The leases in force, and their file.
+
+    Changed only through ``add`` and ``remove``, coroutines that return once the file says so.
+    The write (two fsyncs) runs in a worker thread, so a slow disk never stalls the event loop;
+    writes are one at a time, each of the leases on disk plus its own change. What the book
+    reports in the meantime errs on the side of "held": a lease being granted holds its devices
+    from the moment it is chosen (so no other client can get them), and a lease being released
+    holds them until the file no longer has it (so a crash cannot leave a device with two holders).
+    """
 
     def __init__(self, state_dir: Path) -> None:
         self._path = state_dir / LEASE_FILE
-        self._leases: dict[str, Lease] = {}
+        self._on_disk: dict[str, Lease] = {}
+        self._granting: dict[str, Lease] = {}
+        self._write_lock = asyncio.Lock()
 
     @property
     def path(self) -> Path:
@@ -137,11 +155,12 @@ class LeaseBook:
 
     @property
     def leases(self) -> Mapping[str, Lease]:
-        return MappingProxyType(self._leases)
+        """The leases in force: those on disk (releases in flight included) and those being granted."""
+        return MappingProxyType({**self._on_disk, **self._granting})
 
     def holders(self) -> dict[tuple[str, str], Lease]:
         """(resource, device ID) -> the lease holding it."""
-        return {(lease.resource, device): lease for lease in self._leases.values() for device in lease.devices}
+        return {(lease.resource, device): lease for lease in self.leases.values() for device in lease.devices}
 
     def load(self) -> None:
         try:
@@ -160,24 +179,39 @@ class LeaseBook:
             log.error("the lease file %s is corrupt (%s): moved aside to %s; starting with no leases",
                       self._path, error, aside)
             return
-        self._leases = {lease.lease: lease for lease in leases}
-        log.info("loaded %d leases from %s", len(self._leases), self._path)
+        self._on_disk = {lease.lease: lease for lease in leases}
+        log.info("loaded %d leases from %s", len(self._on_disk), self._path)
 
-    def _save(self, leases: Mapping[str, Lease]) -> None:
+    def _write(self, leases: Mapping[str, Lease]) -> None:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         document = {"version": FORMAT_VERSION, "leases": [lease.to_json() for lease in leases.values()]}
         write_atomically(self._path, json.dumps(document, indent=1, sort_keys=True).encode())
 
-    def add(self, lease: Lease) -> None:
-        updated = {**self._leases, lease.lease: lease}
-        self._save(updated)
-        self._leases = updated
+    async def _save(self, leases: dict[str, Lease]) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._write, leases)
+        self._on_disk = leases
 
-    def remove(self, lease_id: str) -> Lease:
-        if lease_id not in self._leases:
+    def reserve(self, lease: Lease) -> None:
+        """Hold ``lease``'s devices at once (call it in the same step that chose them)."""
+        self._granting[lease.lease] = lease
+
+    async def add(self, lease: Lease) -> None:
+        """Write ``lease`` (reserved or not) to the file; on failure it holds nothing."""
+        self._granting[lease.lease] = lease
+        try:
+            async with self._write_lock:
+                await self._save({**self._on_disk, lease.lease: lease})
+        finally:
+            self._granting.pop(lease.lease, None)
+
+    async def remove(self, lease_id: str) -> Lease:
+        if lease_id not in self._on_disk:
             raise LeaseError(f"no lease {lease_id!r}")
-        updated = dict(self._leases)
-        removed = updated.pop(lease_id)
-        self._save(updated)
-        self._leases = updated
+        async with self._write_lock:
+            updated = dict(self._on_disk)
+            removed = updated.pop(lease_id, None)
+            if removed is None:  # released by another call while this one waited
+                raise LeaseError(f"no lease {lease_id!r}")
+            await self._save(updated)
         return removed

@@ -1,4 +1,4 @@
-"""The kernel loop with real core parts: events over the bus, handlers, tree, notifier, servers."""
+"""The event loop with real parts: events over the bus, handlers, tree, notifier, endpoints."""
 
 from __future__ import annotations
 
@@ -11,13 +11,10 @@ import trio
 import trio.testing
 import trio_asyncio
 
-from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
-from daemon.core import ConfigChanged
-from daemon.core._config import DaemonConfig, parse_config
-from daemon.core._notifier import Notifier
-from daemon.core._plugins import PluginManager
-from daemon.core._settings import Settings
-from daemon.kernel import Kernel
+from daemon.core import ConfigChanged, ConfiguredPool, DaemonConfig, DeviceInfo, Event, Notifier, PoolEntry, Resync, parse_config
+from daemon.deviceplugin import Endpoints
+from daemon.loop import EventLoop
+from daemon.settings import Settings
 
 
 class CountingHandler:
@@ -57,10 +54,10 @@ def counted_config(handler: CountingHandler, *names: str) -> DaemonConfig:
                         {"counted": ("counting", handler.parse_pool)})
 
 
-def make_kernel(
+def make_loop(
     tmp: Path, nursery: trio.Nursery, next_config: list[str] | None = None
-) -> tuple[Kernel, Notifier, CountingHandler]:
-    """A kernel serving pool ``things``; a reload reads ``next_config`` (JSON text)."""
+) -> tuple[EventLoop, Notifier, CountingHandler]:
+    """An event loop serving pool ``things``; a reload reads ``next_config`` (JSON text)."""
     handler = CountingHandler()
     config = counted_config(handler, "things")
 
@@ -70,18 +67,18 @@ def make_kernel(
 
     settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
     notifier = Notifier()
-    plugins = PluginManager(settings, notifier, {"counting": handler}, nursery)
-    return Kernel({"counting": handler}, config, notifier, plugins, load_config), notifier, handler
+    notifier.subscribe(Endpoints(settings, notifier, {"counting": handler}, nursery))
+    return EventLoop({"counting": handler}, config, notifier, load_config), notifier, handler
 
 
 async def test_initial_scan_arrives_as_an_event_and_is_served(short_tmp):
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        kernel, notifier, _ = make_kernel(short_tmp, nursery)
+        loop, notifier, _ = make_loop(short_tmp, nursery)
         send, receive = trio.open_memory_channel[Event](16)
-        nursery.start_soon(kernel.run, receive)
+        nursery.start_soon(loop.run, receive)
         assert notifier.tree.version == 0
         await send.send(Resync(None, "start"))
-        await kernel.first_tree_published.wait()
+        await loop.first_tree_published.wait()
         assert set(notifier.tree.pools["example.com/things"].devices) == {"d0", "d1"}
         with trio.fail_after(5):
             while not list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock")):
@@ -89,17 +86,17 @@ async def test_initial_scan_arrives_as_an_event_and_is_served(short_tmp):
         nursery.cancel_scope.cancel()
 
 
-async def test_a_burst_of_events_becomes_one_new_tree(short_tmp):
+async def test_a_burst_of_events_becomes_one_new_tree_and_one_scan(short_tmp):
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        kernel, notifier, handler = make_kernel(short_tmp, nursery)
+        loop, notifier, handler = make_loop(short_tmp, nursery)
         send, receive = trio.open_memory_channel[Event](300)
         for _ in range(256):
             send.send_nowait(Resync("counting", "burst"))
-        nursery.start_soon(kernel.run, receive)
-        await kernel.first_tree_published.wait()
+        nursery.start_soon(loop.run, receive)
+        await loop.first_tree_published.wait()
         await trio.testing.wait_all_tasks_blocked()
         assert notifier.tree.version == 1
-        assert handler.scans == 256
+        assert handler.scans == 1  # 256 Resyncs of one handler in one batch: one scan
         nursery.cancel_scope.cancel()
 
 
@@ -113,11 +110,11 @@ async def wait_for_scans(handler: CountingHandler, count: int) -> None:
 
 async def test_a_failing_handler_keeps_its_last_devices(short_tmp):
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        kernel, notifier, handler = make_kernel(short_tmp, nursery)
+        loop, notifier, handler = make_loop(short_tmp, nursery)
         send, receive = trio.open_memory_channel[Event](16)
-        nursery.start_soon(kernel.run, receive)
+        nursery.start_soon(loop.run, receive)
         await send.send(Resync(None, "start"))
-        await kernel.first_tree_published.wait()
+        await loop.first_tree_published.wait()
         handler.devices, handler.fail_build = 5, True
         await send.send(Resync("counting", "again"))
         await wait_for_scans(handler, 2)
@@ -136,16 +133,16 @@ async def test_a_failing_handler_keeps_its_last_devices(short_tmp):
 async def test_reload_adds_and_withdraws_pools_and_a_bad_file_changes_nothing(short_tmp):
     next_config = ["{}"]
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        kernel, notifier, handler = make_kernel(short_tmp, nursery, next_config)
+        loop, notifier, handler = make_loop(short_tmp, nursery, next_config)
         send, receive = trio.open_memory_channel[Event](16)
-        nursery.start_soon(kernel.run, receive)
+        nursery.start_soon(loop.run, receive)
         await send.send(Resync(None, "start"))
-        await kernel.first_tree_published.wait()
+        await loop.first_tree_published.wait()
         first_tree = notifier.tree
         next_config[0] = "{broken"
         await send.send(ConfigChanged("test"))
         await trio.sleep(0.05)
-        assert notifier.tree is first_tree and kernel.reloads == 0
+        assert notifier.tree is first_tree and loop.reloads == 0
         next_config[0] = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted",
                                                        "selectors": {}}]})
         await send.send(ConfigChanged("test"))

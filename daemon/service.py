@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from typing import Protocol
 
 import trio
 from systemd import daemon as sd_daemon
 
-from ._tree import DeviceTree
+from daemon.core import DeviceTree
 
 log = logging.getLogger("devplugd.systemd")
 
@@ -88,3 +89,35 @@ class ServiceManager:
         while True:
             self._notify("WATCHDOG=1")
             await trio.sleep(interval)
+
+
+class Registrations(Protocol):
+    """What the STATUS line says of the kubelet side (the device-plugin endpoints)."""
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def served_count(self) -> int: ...
+
+    @property
+    def registered_count(self) -> int: ...
+
+
+class StatusReporter:
+    """Keeps ``STATUS=`` current: a subscriber of the notifier, and told by the endpoints when
+    one starts serving or registers. Cheap: one line, sent only when it changed."""
+
+    def __init__(self, service: ServiceManager, registrations: Registrations) -> None:
+        self._service = service
+        self._registrations = registrations
+        self._tree = DeviceTree.empty()
+
+    def offer(self, tree: DeviceTree) -> None:
+        self._tree = tree
+        self.refresh()
+
+    def refresh(self) -> None:
+        registrations = self._registrations
+        self._service.status(status_line(self._tree, registrations.served_count, registrations.registered_count,
+                                         registrations.mode))

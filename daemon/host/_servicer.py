@@ -6,20 +6,20 @@ the kubelet's checkpoint, read only). ``Watch`` sends a snapshot, then one delta
 added, removed or changed, each stamped with the tree version; it diffs the last tree the client
 was sent against the newest one, so a slow client is conflated, never wrong. ``Allocate`` grants
 a lease with the same answer a kubelet Allocate gets, written to disk before it is returned;
-leased devices leave the kubelet's lists. All of it runs on the event loop's one thread, and a
-grant is synchronous from choice to file, so two clients can never get the same device.
+leased devices leave the kubelet's lists. All of it runs on the event loop's one thread; a grant
+is synchronous from the choice to the reservation of its devices, so two clients can never get
+the same device, and only the lease file's write (in a worker thread) is awaited.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 import grpc
 import trio
@@ -28,47 +28,34 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 
-from ._endpoint import remove_socket_file
-from ._handler import AllocationError, Handler, PreferredAllocator
-from ._leases import Lease, LeaseBook, LeaseError
-from ._notifier import LatestValue, Notifier
-from ._servicer import allocate_container, start_unix_server
-from ._tree import HEALTHY, DeviceTree, ResourcePool
+from daemon.cdi import with_cdi_names
+from daemon.core import (
+    HEALTHY,
+    AllocationError,
+    AnyHandler,
+    DeviceTree,
+    HandlerFailed,
+    LatestValue,
+    Notifier,
+    PreferredAllocator,
+    ResourcePool,
+    allocate_container,
+)
+from daemon.sockets import remove_socket_file, start_unix_server
+
+from ._checkpoint import kubelet_allocations
+from ._leases import Lease, LeaseBook, LeaseError, NotEnoughFree
 
 log = logging.getLogger("devplugd.host")
 
-CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 MAX_COUNT = 65536
-
-
-def kubelet_allocations(device_plugin_dir: Path) -> dict[tuple[str, str], str]:
-    """(resource, device ID) -> ``pod <uid>/<container>`` from the kubelet's checkpoint."""
-    try:
-        document = json.loads((device_plugin_dir / CHECKPOINT_NAME).read_text())
-        entries = document["Data"]["PodDeviceEntries"] or []
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        log.warning("cannot read the kubelet checkpoint in %s: %s", device_plugin_dir, error)
-        return {}
-    held: dict[tuple[str, str], str] = {}
-    for entry in entries:
-        try:
-            owner = f"pod {entry['PodUID']}/{entry['ContainerName']}"
-            ids = entry["DeviceIDs"]
-            flat = [i for group in ids.values() for i in group] if isinstance(ids, dict) else list(ids)
-            for device_id in flat:
-                held[(entry["ResourceName"], device_id)] = owner
-        except (KeyError, TypeError, AttributeError):
-            continue
-    return held
 
 
 class HostServicer(host_grpc.HostServicer):
     def __init__(
         self,
         notifier: Notifier,
-        handlers: Mapping[str, Handler],
+        handlers: Mapping[str, AnyHandler],
         leases: LeaseBook,
         device_plugin_dir: Path,
         leases_changed: Callable[[], None],
@@ -113,44 +100,28 @@ class HostServicer(host_grpc.HostServicer):
         return self._snapshot(self._notifier.tree)
 
     async def Watch(self, request: host.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[host.WatchEvent]:
-        wakeup = asyncio.Event()
-        latest: LatestValue[DeviceTree] = LatestValue(wakeup.set)
-        self._notifier.subscribe_trees(latest.put)
+        stream = _WatchStream()
+        sent = self._notifier.subscribe(stream)
         try:
-            sent = self._notifier.tree
             yield host.WatchEvent(version=sent.version, snapshot=self._snapshot(sent))
             while True:
-                await wakeup.wait()
-                wakeup.clear()
-                full, tree = latest.take()
-                if not full or tree is None:
-                    continue
+                tree = await stream.next_tree()
                 for event in self._deltas(sent, tree):
                     yield event
                 sent = tree
         finally:
-            self._notifier.unsubscribe_trees(latest.put)
+            self._notifier.unsubscribe(stream)
 
     def _deltas(self, old: DeviceTree, new: DeviceTree) -> list[host.WatchEvent]:
         holders = self._holders()
         events = []
-        for resource in sorted(old.pools.keys() | new.pools.keys()):
-            before, after = old.pools.get(resource), new.pools.get(resource)
-            if before is after:
-                continue
-            old_devices = before.devices if before is not None else {}
-            new_devices = after.devices if after is not None else {}
-            for device_id in sorted(old_devices.keys() | new_devices.keys()):
-                if device_id not in new_devices:
-                    kind, pool = host.Delta.REMOVED, before
-                elif device_id not in old_devices:
-                    kind, pool = host.Delta.ADDED, after
-                elif old_devices[device_id] != new_devices[device_id] or (
-                    (device_id in before.leased) != (device_id in after.leased)  # type: ignore[union-attr]
-                ):
-                    kind, pool = host.Delta.CHANGED, after
-                else:
-                    continue
+        resources = new.diff(old).resources
+        for resource in sorted(resources):
+            change = resources[resource]
+            kinds = [(device_id, host.Delta.ADDED, change.new) for device_id in change.added]
+            kinds += [(device_id, host.Delta.REMOVED, change.old) for device_id in change.removed]
+            kinds += [(device_id, host.Delta.CHANGED, change.new) for device_id in change.changed]
+            for device_id, kind, pool in sorted(kinds, key=lambda item: item[0]):
                 assert pool is not None
                 delta = host.Delta(kind=kind, resource=resource, device=self._device(pool, device_id, holders))
                 events.append(host.WatchEvent(version=new.version, delta=delta))
@@ -164,16 +135,7 @@ class HostServicer(host_grpc.HostServicer):
     @staticmethod
     def _lease_message(lease: Lease, tree: DeviceTree) -> host.Lease:
         pool = tree.pools.get(lease.resource)
-        missing = [d for d in lease.devices if pool is None or d not in pool.devices]
-        return host.Lease(
-            lease=lease.lease, resource=lease.resource, owner=lease.owner, devices=lease.devices,
-            envs=lease.envs, annotations=lease.annotations, cdi_devices=lease.cdi_devices,
-            created=lease.created, missing_devices=missing,
-            device_specs=[host.DeviceSpec(container_path=s.container_path, host_path=s.host_path,
-                                          permissions=s.permissions) for s in lease.specs],
-            mounts=[host.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
-                    for m in lease.mounts],
-        )
+        return lease.to_message(missing_devices=[d for d in lease.devices if pool is None or d not in pool.devices])
 
     # -- granting --------------------------------------------------------------------------------
     def _choose(self, pool: ResourcePool, request: host.AllocateRequest) -> list[str]:
@@ -202,7 +164,7 @@ class HostServicer(host_grpc.HostServicer):
             raise LeaseError("ask for a count of at least 1 or name the devices")
         free = [i for i in sorted(pool.devices) if pool.devices[i].health == HEALTHY and held_by(i) is None]
         if len(free) < request.count:
-            raise LeaseError(f"{request.count} devices of {pool.resource} requested, {len(free)} free")
+            raise NotEnoughFree(f"{request.count} devices of {pool.resource} requested, {len(free)} free")
         candidates = free
         if request.HasField("numa_node"):  # the preferred node's devices first
             on_node = [i for i in free if request.numa_node in pool.devices[i].numa_nodes]
@@ -210,9 +172,14 @@ class HostServicer(host_grpc.HostServicer):
             free = on_node + off_node
             candidates = on_node if len(on_node) >= request.count else free
         handler = self._handlers[pool.handler]
-        if len(candidates) > request.count and isinstance(handler, PreferredAllocator) \
-                and handler.offers_preferred_allocation(pool):
-            preferred = handler.preferred_allocation(pool, candidates, [], request.count)
+        if len(candidates) > request.count and isinstance(handler, PreferredAllocator):
+            try:
+                preferred = handler.preferred_allocation(pool, candidates, [], request.count) \
+                    if handler.offers_preferred_allocation(pool) else []
+            except Exception:
+                log.exception("handler %s failed to choose devices of %s; taking them in ID order",
+                              handler.name, pool.resource, extra={"RESOURCE": pool.resource})
+                preferred = []
             if len(preferred) == request.count and set(preferred) <= set(candidates):
                 return preferred  # the pool's allocationPolicy, as the kubelet's requests get it
         return free[: request.count]
@@ -221,55 +188,77 @@ class HostServicer(host_grpc.HostServicer):
         tree = self._notifier.tree
         pool = tree.pools.get(request.resource)
         if pool is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no resource {request.resource!r}")
-            raise AssertionError
+            await _refuse(context, grpc.StatusCode.NOT_FOUND, f"no resource {request.resource!r}")
         if not request.owner:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an owner name is required")
+            await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an owner name is required")
+        handler = self._handlers[pool.handler]
+        # From the choice to the reservation nothing yields: two clients never get one device.
         try:
             chosen = self._choose(pool, request)
-            allocation = allocate_container(self._handlers[pool.handler], pool, chosen, with_cdi=self._with_cdi)
-            lease = Lease.grant(pool.resource, request.owner, chosen, allocation)
-            self._leases.add(lease)  # on disk before anyone hears of it
+            allocation = allocate_container(handler, pool, chosen)
         except LeaseError as error:
             log.warning("refused lease of %s to %s: %s", request.resource, request.owner, error,
                         extra={"RESOURCE": request.resource})
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if "free" in str(error) else grpc.StatusCode.FAILED_PRECONDITION
-            await context.abort(code, str(error))
-            raise AssertionError from error
-        except (AllocationError, OSError) as error:
-            log.error("lease of %s failed: %s", request.resource, error, extra={"RESOURCE": request.resource})
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, NotEnoughFree) \
+                else grpc.StatusCode.FAILED_PRECONDITION
+            await _refuse(context, code, str(error))
+        except (AllocationError, OSError, HandlerFailed) as error:
+            log.error("lease of %s failed: %s", request.resource, error, exc_info=error.__cause__,
+                      extra={"RESOURCE": request.resource})
             code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, AllocationError) else grpc.StatusCode.INTERNAL
-            await context.abort(code, f"lease failed: {error}")
-            raise AssertionError from error
+            await _refuse(context, code, f"lease failed: {error}")
+        if self._with_cdi:
+            with_cdi_names(allocation, pool.resource, chosen)
+        lease = Lease.grant(pool.resource, request.owner, chosen, allocation)
+        self._leases.reserve(lease)
+        self._leases_changed()  # its devices leave the kubelet's lists now, not after the write
+        try:
+            await self._leases.add(lease)  # on disk before anyone hears of it
+        except OSError as error:
+            log.error("lease of %s failed: cannot write %s: %s", request.resource, self._leases.path, error,
+                      extra={"RESOURCE": request.resource})
+            self._leases_changed()
+            await _refuse(context, grpc.StatusCode.INTERNAL, f"lease failed: {error}")
         log.info("leased %s of %s to %s as %s", ",".join(chosen), pool.resource, request.owner, lease.lease,
                  extra={"RESOURCE": pool.resource, "EVENT": "lease"})
-        self._leases_changed()
         return self._lease_message(lease, tree)
 
     async def Release(self, request: host.ReleaseRequest, context: grpc.aio.ServicerContext) -> host.ReleaseResponse:
         try:
-            lease = self._leases.remove(request.lease)
+            lease = await self._leases.remove(request.lease)
         except LeaseError as error:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"{error} (never granted, or already released)")
-            raise AssertionError from error
+            await _refuse(context, grpc.StatusCode.NOT_FOUND, f"{error} (never granted, or already released)")
+        except OSError as error:
+            log.error("release of %s failed: cannot write %s: %s", request.lease, self._leases.path, error)
+            await _refuse(context, grpc.StatusCode.INTERNAL, f"release failed: {error}")
         log.info("released %s (%s of %s, owner %s)", lease.lease, ",".join(lease.devices), lease.resource,
                  lease.owner, extra={"RESOURCE": lease.resource, "EVENT": "release"})
         self._leases_changed()
         return host.ReleaseResponse()
 
 
-def describe_lease(lease: host.Lease) -> dict[str, Any]:
-    """The JSON shape of a lease that scripts rely on (``allocate -o json``, ``leases -o json``)."""
-    return {
-        "lease": lease.lease, "resource": lease.resource, "owner": lease.owner, "devices": list(lease.devices),
-        "envs": dict(lease.envs), "cdi_devices": list(lease.cdi_devices),
-        "device_specs": [{"container_path": s.container_path, "host_path": s.host_path,
-                          "permissions": s.permissions} for s in lease.device_specs],
-        "mounts": [{"container_path": m.container_path, "host_path": m.host_path, "read_only": m.read_only}
-                   for m in lease.mounts],
-        "annotations": dict(lease.annotations), "created": lease.created,
-        "missing_devices": list(lease.missing_devices),
-    }
+class _WatchStream:
+    """The notifier's subscriber for one Watch stream: the newest tree, waiting to be sent."""
+
+    def __init__(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._latest: LatestValue[DeviceTree] = LatestValue(self._wakeup.set)
+
+    def offer(self, tree: DeviceTree) -> None:
+        self._latest.put(tree)
+
+    async def next_tree(self) -> DeviceTree:
+        while True:
+            full, tree = self._latest.take()
+            if full and tree is not None:
+                return tree
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+
+async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("abort raises")  # for type checkers
 
 
 async def _start_control_server(socket_path: str, servicer: HostServicer) -> grpc.aio.Server:

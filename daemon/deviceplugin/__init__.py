@@ -1,0 +1,23 @@
+"""The kubelet's device-plugin API (v1beta1): one gRPC server per resource on its own unix
+socket, served before it registers (on ``kubelet.sock``, or found through plugins_registry), and
+served again when the kubelet restarts or removes our socket.
+
+``Endpoints`` is the notifier's subscriber that keeps one ``ResourceEndpoint`` per resource with
+devices; each endpoint's ``DevicePluginServicer`` answers ListAndWatch, Allocate,
+GetPreferredAllocation and PreStartContainer from the current tree.
+"""
+
+from ._endpoint import Backoff, ResourceEndpoint, socket_file_name
+from ._endpoints import Endpoints
+from ._registration import API_VERSION
+from ._servicer import DevicePluginServicer, request_problem
+
+__all__ = [
+    "API_VERSION",
+    "Backoff",
+    "DevicePluginServicer",
+    "Endpoints",
+    "ResourceEndpoint",
+    "request_problem",
+    "socket_file_name",
+]

@@ -1,0 +1,55 @@
+"""Unix-socket plumbing shared by every gRPC server of the daemon and the uevent seam.
+
+* ``SUN_PATH_MAX``: the longest path a unix socket can be bound at;
+* ``start_unix_server``: start a grpc.aio server listening on one unix socket, or raise;
+* ``remove_socket_file`` / ``remove_stale_sockets``: remove sockets we (or an earlier run of us)
+  left behind, and never anything that is not a socket.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import grpc
+
+SUN_PATH_MAX = 107  # sun_path is 108 bytes, the terminating NUL included
+SOCKET_PREFIX = "devplugd-"
+
+
+async def start_unix_server(server: grpc.aio.Server, socket_path: str) -> grpc.aio.Server:
+    """Start ``server`` (its servicers added) listening on the unix socket ``socket_path``
+    (an asyncio coroutine: call it through ``aio_as_trio``). Raises OSError when it cannot listen."""
+    if server.add_insecure_port(f"unix://{socket_path}") == 0:
+        raise OSError(f"cannot listen on {socket_path}")
+    await server.start()
+    return server
+
+
+def remove_socket_file(path: Path) -> None:
+    """Remove ``path`` if it is a socket (a stale one of ours); leave anything else alone."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+    except OSError:
+        pass
+
+
+def remove_stale_sockets(directory: Path) -> list[str]:
+    """Remove the sockets an earlier devplugd left in ``directory`` (``devplugd-*`` sockets only);
+    return their names."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        path = directory / name
+        try:
+            if name.startswith(SOCKET_PREFIX) and stat.S_ISSOCK(os.lstat(path).st_mode):
+                path.unlink()
+                removed.append(name)
+        except OSError:
+            continue
+    return removed
