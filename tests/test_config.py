@@ -8,10 +8,16 @@ from typing import Any
 
 import pytest
 
-from daemon.core import HandlerContext
-from daemon.core import ConfigFileError, DaemonConfig, load_config, parse_config
-from daemon.core import extended_resource_name_problem
-from daemon.core import load_handlers, parser_table
+from daemon.core import (
+    ConfigFileError,
+    DaemonConfig,
+    HandlerContext,
+    extended_resource_name_problem,
+    load_config,
+    load_handlers,
+    parse_config,
+    parser_table,
+)
 
 _CONTEXT = HandlerContext(
     sysfs_root=Path("/nonexistent/sys"),
@@ -348,3 +354,17 @@ def test_valid_extended_resource_names(name: str) -> None:
 def test_invalid_extended_resource_names(name: str) -> None:
     problem = extended_resource_name_problem(name)
     assert isinstance(problem, str) and problem
+
+
+def test_a_handler_that_fails_to_parse_its_pool_refuses_the_file_naming_the_pool() -> None:
+    def broken_parser(entry: Any) -> Any:
+        raise ZeroDivisionError("division by zero")
+
+    document = {"resourceList": [{"resourceName": "ok", "deviceType": "devNode", "selectors": {"paths": ["/dev/kvm"]}},
+                                 {"resourceName": "bad", "deviceType": "broken", "selectors": {}}]}
+    parsers = {**PARSERS, "broken": ("broken", broken_parser)}
+    with pytest.raises(ConfigFileError) as error:
+        parse_config(json.dumps(document), "test.json", "intel.com", parsers)
+    assert error.value.json_path == "$.resourceList[1]"
+    assert str(error.value) == ("config test.json: $.resourceList[1]: handler broken failed to parse this pool: "
+                                "ZeroDivisionError: division by zero")

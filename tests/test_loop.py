@@ -29,8 +29,13 @@ class CountingHandler:
         self.scans = 0
         self.fail_build = False
         self.fail_scan = False
+        self.fail_parse = False
+        self.parsed = 0
 
     def parse_pool(self, entry: PoolEntry) -> None:
+        self.parsed += 1
+        if self.fail_parse:
+            raise KeyError("a bug in the handler's parser")
         return None
 
     def scan(self) -> int:
@@ -152,4 +157,31 @@ async def test_reload_adds_and_withdraws_pools_and_a_bad_file_changes_nothing(sh
             while list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock")):
                 await trio.sleep(0.01)
         assert set(notifier.tree.pools) == {"example.com/others"}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_handler_failing_to_parse_a_reloaded_pool_refuses_the_reload_and_keeps_serving(short_tmp, caplog):
+    others = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted", "selectors": {}}]})
+    next_config = [others]
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        loop, notifier, handler = make_loop(short_tmp, nursery, next_config)
+        send, receive = trio.open_memory_channel[Event](16)
+        nursery.start_soon(loop.run, receive)
+        await send.send(Resync(None, "start"))
+        await loop.first_tree_published.wait()
+        first_tree, parsed_at_start = notifier.tree, handler.parsed
+        handler.fail_parse = True
+        await send.send(ConfigChanged("test"))
+        with trio.fail_after(5):
+            while handler.parsed == parsed_at_start:  # the running handler validates the reload
+                await trio.sleep(0.005)
+        await trio.testing.wait_all_tasks_blocked()
+        assert notifier.tree is first_tree and loop.reloads == 0
+        assert "handler counting failed to parse this pool: KeyError" in caplog.text
+        handler.fail_parse = False
+        await send.send(ConfigChanged("test"))
+        with trio.fail_after(5):
+            while loop.reloads == 0:
+                await trio.sleep(0.005)
+        assert [pool.resource for pool in loop.config.pools] == ["example.com/others"]
         nursery.cancel_scope.cancel()
