@@ -1,8 +1,9 @@
-"""Event records: what sources put on the bus and the kernel loop routes.
+"""Event records: what sources put on the bus and the event loop routes.
 
-Every record is a small frozen dataclass. Sources create them; nobody mutates them. The kernel
-loop (``daemon/kernel.py``) decides who hears each one: device events go to the handlers that
-declared interest, kubelet events go to the plugin servers.
+Every record is a small frozen dataclass. Sources create them; nobody mutates them. The event
+loop (``daemon/loop.py``) decides who hears each one: device events go to the handlers that
+declared interest; kubelet events come from inotify on their own channel to the device-plugin
+endpoints.
 """
 
 from __future__ import annotations

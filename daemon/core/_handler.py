@@ -33,7 +33,7 @@ log = logging.getLogger("devplugd.handlers")
 
 class HostChanges:
     """How a handler says it saw the host differ from its facts outside ``fold`` (at Allocate,
-    say): the kernel loop then folds a ``change`` uevent for that device, as if the kernel had
+    say): the event loop then folds a ``change`` uevent for that device, as if the kernel had
     sent one, so the tree (ListAndWatch, CDI, host API) catches up. Connected to the bus once the
     daemon serves; until then (and in unit tests) reports are dropped."""
 
