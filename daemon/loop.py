@@ -86,6 +86,8 @@ class EventLoop:
         self._built: dict[str, _Built] = {}
         self.first_tree_published = trio.Event()
         self.reloads = 0
+        self.batches = 0  # batches of events handled so far
+        self._batch_handled = trio.Event()
 
     @property
     def config(self) -> DaemonConfig:
@@ -102,6 +104,14 @@ class EventLoop:
             changed, full_build = await self._route(batch)
             if changed:
                 await self._publish(batch, in_thread=full_build)
+            self.batches += 1
+            self._batch_handled.set()
+            self._batch_handled = trio.Event()
+
+    async def wait_for_batches(self, count: int) -> None:
+        """Until ``count`` batches of events have been handled since the loop started."""
+        while self.batches < count:
+            await self._batch_handled.wait()
 
     async def _route(self, batch: list[Event]) -> tuple[bool, bool]:
         """Apply a batch of events; return whether a new tree may be due, and whether its build is

@@ -3,7 +3,9 @@ registered with the kubelet stand-in, fed trees by the notifier as the event loo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
 from types import MappingProxyType
 from typing import ClassVar
 
@@ -34,36 +36,43 @@ async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 
             await trio.sleep(0.01)
 
 
+@asynccontextmanager
+async def endpoints_for(directory: Path, handler: object) -> AsyncIterator[tuple[Notifier, FakeKubelet]]:
+    """A notifier whose trees reach real endpoints registered with a kubelet stand-in."""
+    kubelet = FakeKubelet(directory)
+    kubelet.start()
+    try:
+        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            settings = Settings(device_plugin_dir=directory, registration="kubelet")
+            notifier = Notifier()
+            notifier.subscribe(Endpoints(settings, notifier, {"test": handler}, nursery))  # type: ignore[dict-item]
+            yield notifier, kubelet
+            nursery.cancel_scope.cancel()
+    finally:
+        kubelet.close()
+
+
 def device_ids(kubelet: FakeKubelet, resource: str) -> list[set[str]]:
     state = kubelet.resources.get(resource)
     return [set(message) for message in state.messages] if state is not None else []
 
 
 async def test_only_resources_whose_list_changed_get_a_listandwatch_message(short_tmp):
-    kubelet = FakeKubelet(short_tmp / "dp")
-    kubelet.start()
-    try:
-        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-            settings = Settings(device_plugin_dir=short_tmp / "dp", registration="kubelet")
-            notifier = Notifier()
-            notifier.subscribe(Endpoints(settings, notifier, {"test": NamedHandler()}, nursery))
-            x, y = "example.com/x", "example.com/y"
-            first = DeviceTree.build(1, [pool(x, {"d1": DeviceInfo()}), pool(y, {"d1": DeviceInfo()})])
-            notifier.publish(first)
-            await wait_until(lambda: device_ids(kubelet, x) == [{"d1"}] and device_ids(kubelet, y) == [{"d1"}],
-                             "both resources registered with their first list")
-            second = DeviceTree.build(2, [pool(x, {"d1": DeviceInfo(), "d2": DeviceInfo()}), first.pools[y]])
-            notifier.publish(second)
-            # y's device changes in a way the kubelet cannot see (its specs): no message for y
-            invisible = pool(y, {"d1": DeviceInfo(specs=(DeviceSpec("/dev/y", "/dev/y"),))})
-            notifier.publish(DeviceTree.build(3, [second.pools[x], invisible]))
-            notifier.publish(DeviceTree.build(4, [second.pools[x], pool(y, {"d1": DeviceInfo(), "d2": DeviceInfo()})]))
-            await wait_until(lambda: len(device_ids(kubelet, y)) >= 2, "y's second list")
-            assert device_ids(kubelet, y) == [{"d1"}, {"d1", "d2"}]
-            assert device_ids(kubelet, x) == [{"d1"}, {"d1", "d2"}]
-            nursery.cancel_scope.cancel()
-    finally:
-        kubelet.close()
+    async with endpoints_for(short_tmp / "dp", NamedHandler()) as (notifier, kubelet):
+        x, y = "example.com/x", "example.com/y"
+        first = DeviceTree.build(1, [pool(x, {"d1": DeviceInfo()}), pool(y, {"d1": DeviceInfo()})])
+        notifier.publish(first)
+        await wait_until(lambda: device_ids(kubelet, x) == [{"d1"}] and device_ids(kubelet, y) == [{"d1"}],
+                         "both resources registered with their first list")
+        second = DeviceTree.build(2, [pool(x, {"d1": DeviceInfo(), "d2": DeviceInfo()}), first.pools[y]])
+        notifier.publish(second)
+        # y's device changes in a way the kubelet cannot see (its specs): no message for y
+        invisible = pool(y, {"d1": DeviceInfo(specs=(DeviceSpec("/dev/y", "/dev/y"),))})
+        notifier.publish(DeviceTree.build(3, [second.pools[x], invisible]))
+        notifier.publish(DeviceTree.build(4, [second.pools[x], pool(y, {"d1": DeviceInfo(), "d2": DeviceInfo()})]))
+        await wait_until(lambda: len(device_ids(kubelet, y)) >= 2, "y's second list")
+        assert device_ids(kubelet, y) == [{"d1"}, {"d1", "d2"}]
+        assert device_ids(kubelet, x) == [{"d1"}, {"d1", "d2"}]
 
 
 class BrokenPostAllocator:
@@ -84,24 +93,15 @@ class BrokenPostAllocator:
 
 
 async def test_an_allocation_hook_that_raises_refuses_that_request_and_the_resource_stays_served(short_tmp, caplog):
-    kubelet = FakeKubelet(short_tmp / "dp")
-    kubelet.start()
-    try:
-        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-            settings = Settings(device_plugin_dir=short_tmp / "dp", registration="kubelet")
-            notifier = Notifier()
-            notifier.subscribe(Endpoints(settings, notifier, {"test": BrokenPostAllocator()}, nursery))
-            x = "example.com/x"
-            notifier.publish(DeviceTree.build(1, [pool(x, {"d1": DeviceInfo()})]))
-            await wait_until(lambda: device_ids(kubelet, x) == [{"d1"}], "x registered")
-            with pytest.raises(grpc.RpcError) as refused:
-                await trio.to_thread.run_sync(kubelet.allocate, x, ["d1"])
-            assert refused.value.code() == grpc.StatusCode.INTERNAL
-            assert "handler test failed in post_allocate for example.com/x: TypeError: a bug in the handler" \
-                in refused.value.details()
-            assert "a bug in the handler" in caplog.text
-            answer = await trio.to_thread.run_sync(kubelet.allocate, x, ["d1"])
-            assert answer.container_responses[0].envs["CALL"] == "2"
-            nursery.cancel_scope.cancel()
-    finally:
-        kubelet.close()
+    async with endpoints_for(short_tmp / "dp", BrokenPostAllocator()) as (notifier, kubelet):
+        x = "example.com/x"
+        notifier.publish(DeviceTree.build(1, [pool(x, {"d1": DeviceInfo()})]))
+        await wait_until(lambda: device_ids(kubelet, x) == [{"d1"}], "x registered")
+        with pytest.raises(grpc.RpcError) as refused:
+            await trio.to_thread.run_sync(kubelet.allocate, x, ["d1"])
+        assert refused.value.code() == grpc.StatusCode.INTERNAL
+        assert "handler test failed in post_allocate for example.com/x: TypeError: a bug in the handler" \
+            in refused.value.details()
+        assert "a bug in the handler" in caplog.text
+        answer = await trio.to_thread.run_sync(kubelet.allocate, x, ["d1"])
+        assert answer.container_responses[0].envs["CALL"] == "2"

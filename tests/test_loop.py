@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import trio
-import trio.testing
 import trio_asyncio
 
 from daemon.core import ConfigChanged, ConfiguredPool, DaemonConfig, DeviceInfo, Event, Notifier, PoolEntry, Resync, parse_config
@@ -59,10 +60,29 @@ def counted_config(handler: CountingHandler, *names: str) -> DaemonConfig:
                         {"counted": ("counting", handler.parse_pool)})
 
 
-def make_loop(
-    tmp: Path, nursery: trio.Nursery, next_config: list[str] | None = None
-) -> tuple[EventLoop, Notifier, CountingHandler]:
-    """An event loop serving pool ``things``; a reload reads ``next_config`` (JSON text)."""
+@dataclass
+class Running:
+    loop: EventLoop
+    notifier: Notifier
+    handler: CountingHandler
+    send: trio.MemorySendChannel[Event]
+
+    async def handle(self, event: Event) -> None:
+        """Send ``event`` alone and wait until the loop has handled it."""
+        handled = self.loop.batches
+        await self.send.send(event)
+        with trio.fail_after(5):
+            await self.loop.wait_for_batches(handled + 1)
+
+    def devices(self, name: str = "things") -> set[str]:
+        return set(self.notifier.tree.pools[f"example.com/{name}"].devices)
+
+
+@asynccontextmanager
+async def running_loop(tmp: Path, next_config: list[str] | None = None, *, capacity: int = 16,
+                       before_start: Sequence[Event] = ()) -> AsyncIterator[Running]:
+    """An event loop serving pool ``things`` to real endpoints; a reload reads ``next_config``
+    (JSON text). ``before_start`` events wait on the bus before the loop runs (one batch)."""
     handler = CountingHandler()
     config = counted_config(handler, "things")
 
@@ -70,118 +90,85 @@ def make_loop(
         text = next_config[0] if next_config else "{}"
         return parse_config(text, "test", "example.com", {"counted": ("counting", handler.parse_pool)})
 
-    settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
-    notifier = Notifier()
-    notifier.subscribe(Endpoints(settings, notifier, {"counting": handler}, nursery))
-    return EventLoop({"counting": handler}, config, notifier, load_config), notifier, handler
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
+        notifier = Notifier()
+        notifier.subscribe(Endpoints(settings, notifier, {"counting": handler}, nursery))
+        loop = EventLoop({"counting": handler}, config, notifier, load_config)
+        send, receive = trio.open_memory_channel[Event](capacity)
+        for event in before_start:
+            send.send_nowait(event)
+        nursery.start_soon(loop.run, receive)
+        yield Running(loop, notifier, handler, send)
+        nursery.cancel_scope.cancel()
+
+
+async def wait_for_socket(directory: Path, resource: str, *, present: bool = True) -> None:
+    with trio.fail_after(5):
+        while bool(list(directory.glob(f"devplugd-{resource}-*.sock"))) != present:
+            await trio.sleep(0.01)
 
 
 async def test_initial_scan_arrives_as_an_event_and_is_served(short_tmp):
-    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        loop, notifier, _ = make_loop(short_tmp, nursery)
-        send, receive = trio.open_memory_channel[Event](16)
-        nursery.start_soon(loop.run, receive)
-        assert notifier.tree.version == 0
-        await send.send(Resync(None, "start"))
-        await loop.first_tree_published.wait()
-        assert set(notifier.tree.pools["example.com/things"].devices) == {"d0", "d1"}
-        with trio.fail_after(5):
-            while not list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock")):
-                await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
+    async with running_loop(short_tmp) as running:
+        assert running.notifier.tree.version == 0
+        await running.handle(Resync(None, "start"))
+        assert running.devices() == {"d0", "d1"}
+        await wait_for_socket(short_tmp / "dp", "example.com_things")
 
 
 async def test_a_burst_of_events_becomes_one_new_tree_and_one_scan(short_tmp):
-    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        loop, notifier, handler = make_loop(short_tmp, nursery)
-        send, receive = trio.open_memory_channel[Event](300)
-        for _ in range(256):
-            send.send_nowait(Resync("counting", "burst"))
-        nursery.start_soon(loop.run, receive)
-        await loop.first_tree_published.wait()
-        await trio.testing.wait_all_tasks_blocked()
-        assert notifier.tree.version == 1
-        assert handler.scans == 1  # 256 Resyncs of one handler in one batch: one scan
-        nursery.cancel_scope.cancel()
-
-
-async def wait_for_scans(handler: CountingHandler, count: int) -> None:
-    """Until the handler was scanned ``count`` times and the kernel loop is idle again."""
-    with trio.fail_after(5):
-        while handler.scans < count:
-            await trio.sleep(0.005)
-        await trio.sleep(0.05)
+    burst = [Resync("counting", "burst")] * 256
+    async with running_loop(short_tmp, capacity=300, before_start=burst) as running:
+        with trio.fail_after(5):
+            await running.loop.wait_for_batches(1)
+        assert running.notifier.tree.version == 1
+        assert running.handler.scans == 1  # 256 Resyncs of one handler in one batch: one scan
 
 
 async def test_a_failing_handler_keeps_its_last_devices(short_tmp):
-    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        loop, notifier, handler = make_loop(short_tmp, nursery)
-        send, receive = trio.open_memory_channel[Event](16)
-        nursery.start_soon(loop.run, receive)
-        await send.send(Resync(None, "start"))
-        await loop.first_tree_published.wait()
+    async with running_loop(short_tmp) as running:
+        handler = running.handler
+        await running.handle(Resync(None, "start"))
         handler.devices, handler.fail_build = 5, True
-        await send.send(Resync("counting", "again"))
-        await wait_for_scans(handler, 2)
-        assert len(notifier.tree.pools["example.com/things"].devices) == 2
+        await running.handle(Resync("counting", "again"))
+        assert handler.scans == 2 and running.devices() == {"d0", "d1"}
         handler.fail_build, handler.fail_scan = False, True
-        await send.send(Resync("counting", "again"))
-        await wait_for_scans(handler, 3)
-        assert len(notifier.tree.pools["example.com/things"].devices) == 2
+        await running.handle(Resync("counting", "again"))
+        assert handler.scans == 3 and running.devices() == {"d0", "d1"}
         handler.fail_scan = False
-        await send.send(Resync("counting", "recovered"))
-        await wait_for_scans(handler, 4)
-        assert len(notifier.tree.pools["example.com/things"].devices) == 5
-        nursery.cancel_scope.cancel()
+        await running.handle(Resync("counting", "recovered"))
+        assert handler.scans == 4 and len(running.devices()) == 5
 
 
 async def test_reload_adds_and_withdraws_pools_and_a_bad_file_changes_nothing(short_tmp):
     next_config = ["{}"]
-    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        loop, notifier, handler = make_loop(short_tmp, nursery, next_config)
-        send, receive = trio.open_memory_channel[Event](16)
-        nursery.start_soon(loop.run, receive)
-        await send.send(Resync(None, "start"))
-        await loop.first_tree_published.wait()
-        first_tree = notifier.tree
+    async with running_loop(short_tmp, next_config) as running:
+        await running.handle(Resync(None, "start"))
+        first_tree = running.notifier.tree
         next_config[0] = "{broken"
-        await send.send(ConfigChanged("test"))
-        await trio.sleep(0.05)
-        assert notifier.tree is first_tree and loop.reloads == 0
+        await running.handle(ConfigChanged("test"))
+        assert running.notifier.tree is first_tree and running.loop.reloads == 0
         next_config[0] = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted",
                                                        "selectors": {}}]})
-        await send.send(ConfigChanged("test"))
-        with trio.fail_after(5):
-            while not list((short_tmp / "dp").glob("devplugd-example.com_others-*.sock")):
-                await trio.sleep(0.01)
-            while list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock")):
-                await trio.sleep(0.01)
-        assert set(notifier.tree.pools) == {"example.com/others"}
-        nursery.cancel_scope.cancel()
+        await running.handle(ConfigChanged("test"))
+        await wait_for_socket(short_tmp / "dp", "example.com_others")
+        await wait_for_socket(short_tmp / "dp", "example.com_things", present=False)
+        assert set(running.notifier.tree.pools) == {"example.com/others"}
 
 
 async def test_a_handler_failing_to_parse_a_reloaded_pool_refuses_the_reload_and_keeps_serving(short_tmp, caplog):
     others = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted", "selectors": {}}]})
-    next_config = [others]
-    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        loop, notifier, handler = make_loop(short_tmp, nursery, next_config)
-        send, receive = trio.open_memory_channel[Event](16)
-        nursery.start_soon(loop.run, receive)
-        await send.send(Resync(None, "start"))
-        await loop.first_tree_published.wait()
-        first_tree, parsed_at_start = notifier.tree, handler.parsed
+    async with running_loop(short_tmp, [others]) as running:
+        handler = running.handler
+        await running.handle(Resync(None, "start"))
+        first_tree, parsed_at_start = running.notifier.tree, handler.parsed
         handler.fail_parse = True
-        await send.send(ConfigChanged("test"))
-        with trio.fail_after(5):
-            while handler.parsed == parsed_at_start:  # the running handler validates the reload
-                await trio.sleep(0.005)
-        await trio.testing.wait_all_tasks_blocked()
-        assert notifier.tree is first_tree and loop.reloads == 0
+        await running.handle(ConfigChanged("test"))
+        assert handler.parsed > parsed_at_start  # the running handler validated the reload
+        assert running.notifier.tree is first_tree and running.loop.reloads == 0
         assert "handler counting failed to parse this pool: KeyError" in caplog.text
         handler.fail_parse = False
-        await send.send(ConfigChanged("test"))
-        with trio.fail_after(5):
-            while loop.reloads == 0:
-                await trio.sleep(0.005)
-        assert [pool.resource for pool in loop.config.pools] == ["example.com/others"]
-        nursery.cancel_scope.cancel()
+        await running.handle(ConfigChanged("test"))
+        assert running.loop.reloads == 1
+        assert [pool.resource for pool in running.loop.config.pools] == ["example.com/others"]
