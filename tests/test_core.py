@@ -18,6 +18,7 @@ from daemon.core import (
     ResourcePool,
     default_allocation,
 )
+from daemon.deviceplugin import Backoff
 
 
 def pool(resource: str, devices: dict[str, DeviceInfo]) -> ResourcePool:
@@ -132,3 +133,10 @@ def test_default_allocation_merges_specs_once_per_host_path_in_request_order():
     allocation = default_allocation(resource, ["d2", "d1"])
     assert [s.host_path for s in allocation.specs] == ["/dev/vfio/vfio", "/dev/vfio/2", "/dev/vfio/1"]
     assert allocation.envs == {"A": "2"}  # first one wins, like the kubelet's merge
+
+
+def test_backoff_starts_at_its_first_delay_doubles_up_to_its_maximum_and_resets():
+    backoff = Backoff(first=0.5, maximum=3.0)
+    assert [backoff.next_delay() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    backoff.reset()
+    assert backoff.next_delay() == 0.5
