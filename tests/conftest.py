@@ -19,6 +19,7 @@ import pytest
 
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
+from tests.pci import Pci
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,6 +35,12 @@ def short_tmp() -> Iterator[Path]:
 @pytest.fixture
 def host(short_tmp: Path) -> FakeHost:
     return FakeHost(short_tmp / "host")
+
+
+@pytest.fixture
+def pci(host: FakeHost, short_tmp: Path) -> Pci:
+    """A PciHandler on the fake host, writing device info under ``short_tmp/devinfo``."""
+    return Pci(host, short_tmp / "devinfo")
 
 
 @pytest.fixture
