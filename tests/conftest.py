@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.pci import Pci
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,13 +62,18 @@ class DaemonProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log:
+        self.wait_until(lambda: text in self.log, f"logging {text!r}", timeout)
+
+    def wait_until(self, predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
+        """:func:`tests.waiting.wait_until` while the daemon runs: its exit ends the wait at once;
+        both failures show its log."""
+        def holds_while_running() -> Any:
+            if result := predicate():
+                return result
             if self.process.poll() is not None:
-                raise AssertionError(f"daemon exited {self.process.returncode} before logging {text!r}:\n{self.log}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"daemon did not log {text!r} in {timeout}s:\n{self.log}")
-            time.sleep(0.02)
+                raise AssertionError(f"daemon exited {self.process.returncode} before {what}:\n{self.log}")
+            return result
+        return wait_until(holds_while_running, timeout, lambda: f"daemon did not get to {what}:\n{self.log}")
 
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         if self.process.poll() is None:

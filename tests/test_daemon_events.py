@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakesysfs import FakeHost
+from tests.waiting import wait_until
 
 PF = "0000:3b:00.0"
 
@@ -29,10 +30,7 @@ class Seam:
         self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 
     def wait_ready(self, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.path.exists():
-            assert time.monotonic() < deadline, "the daemon never bound its uevent socket"
-            time.sleep(0.01)
+        wait_until(self.path.exists, timeout, "the daemon never bound its uevent socket", interval=0.01)
 
     def send(self, action: str, devpath: str, subsystem: str, **properties: str) -> None:
         fields = {"ACTION": action, "DEVPATH": devpath, "SUBSYSTEM": subsystem, **properties}

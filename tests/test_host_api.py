@@ -15,6 +15,7 @@ import pytest
 from tests.conftest import REPO_ROOT, daemon_command
 from tests.fakesysfs import FakeHost
 from tests.test_daemon_events import Seam, create_vfs
+from tests.waiting import wait_until
 
 PF = "0000:3b:00.0"
 VFS = [f"0000:3b:02.{n}" for n in range(4)]
@@ -27,10 +28,8 @@ def cli(short_tmp: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
 
 
 def wait_for_control(short_tmp: Path, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while cli(short_tmp, "list", "-o", "json").returncode != 0:
-        assert time.monotonic() < deadline, "the control socket never answered"
-        time.sleep(0.05)
+    wait_until(lambda: cli(short_tmp, "list", "-o", "json").returncode == 0, timeout,
+               "the control socket never answered", interval=0.05)
 
 
 @pytest.fixture
@@ -183,13 +182,11 @@ def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_
     (sriov.device_dir(PF) / "virtfn3").unlink()
     sriov.remove_pci(VFS[3])
     seam.send("remove", devpath, "pci")
-    deadline = time.monotonic() + 10
-    while True:
+    def kept_with_the_device_missing() -> list:
         kept = json.loads(cli(short_tmp, "leases", "-o", "json").stdout)
-        if kept and kept[0]["missing_devices"] == [VFS[3]]:
-            break
-        assert time.monotonic() < deadline, kept
-        time.sleep(0.05)
+        return kept if kept and kept[0]["missing_devices"] == [VFS[3]] else []
+
+    kept = wait_until(kept_with_the_device_missing, 10, "the lease marked with its missing device", interval=0.05)
     assert kept[0]["lease"] == lease["lease"]
 
 
@@ -247,10 +244,8 @@ def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, r
         watcher.kill()
         watcher.wait()
     create_vfs(sriov, seam, 4, 1)  # a change with the dead streams' subscriptions (if any) still there
-    deadline = time.monotonic() + 10
-    while len(json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]) != 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: len(json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]) == 5, 10,
+               "the new VF listed", interval=0.05)
     assert daemon.process.poll() is None
     assert "Traceback" not in daemon.log
 

@@ -214,16 +214,6 @@ def cli(control_socket: Path, *arguments: str) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=60)
 
 
-def wait_for(predicate: Any, what: str, daemon: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if daemon.process.poll() is not None:
-            raise AssertionError(f"daemon exited {daemon.process.returncode} before {what}:\n{daemon.log}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} after {timeout}s:\n{daemon.log}")
-        time.sleep(0.02)
-
-
 def sections(stdout: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     current: list[str] | None = None
@@ -254,8 +244,8 @@ def test_podman_runs_a_container_with_a_device_from_the_cdi_spec(short_tmp, run_
     spec_path = cdi_dir / SPEC_NAME
     control_socket = short_tmp / "control.sock"
     daemon = run_daemon(CONFIG, "--dev-root", "/dev", "--uevent-source", "none", registration="none")
-    wait_for(spec_path.exists, f"CDI spec {spec_path}", daemon)
-    wait_for(control_socket.exists, f"control socket {control_socket}", daemon)
+    daemon.wait_until(spec_path.exists, f"CDI spec {spec_path}", timeout=15.0)
+    daemon.wait_until(control_socket.exists, f"control socket {control_socket}", timeout=15.0)
 
     # The spec: the only file in the directory, one device per ID, what podman 4.3 reads.
     assert sorted(os.listdir(cdi_dir)) == [SPEC_NAME]
