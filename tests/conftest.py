@@ -19,6 +19,7 @@ import pytest
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.pci import Pci
+from tests.seam import Seam
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,12 @@ def host(short_tmp: Path) -> FakeHost:
 def pci(host: FakeHost, short_tmp: Path) -> Pci:
     """A PciHandler on the fake host, writing device info under ``short_tmp/devinfo``."""
     return Pci(host, short_tmp / "devinfo")
+
+
+@pytest.fixture
+def seam(short_tmp: Path) -> Seam:
+    """Uevents for a daemon started with ``--uevent-source unix:<short_tmp>/uevents.sock``."""
+    return Seam(short_tmp / "uevents.sock")
 
 
 @pytest.fixture

@@ -6,61 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.fakesysfs import FakeHost
-from tests.waiting import wait_until
-
-PF = "0000:3b:00.0"
-
-
-def vf_address(index: int) -> str:
-    return f"0000:3b:{2 + index // 8:02x}.{index % 8}"
-
-
-class Seam:
-    """Sends uevents in the kernel's wire format to the daemon's ``unix:`` uevent socket."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-
-    def wait_ready(self, timeout: float = 10) -> None:
-        wait_until(self.path.exists, timeout, "the daemon never bound its uevent socket", interval=0.01)
-
-    def send(self, action: str, devpath: str, subsystem: str, **properties: str) -> None:
-        fields = {"ACTION": action, "DEVPATH": devpath, "SUBSYSTEM": subsystem, **properties}
-        payload = f"{action}@{devpath}\0".encode() + b"".join(f"{k}={v}\0".encode() for k, v in fields.items())
-        self.socket.sendto(payload, str(self.path))
-
-
-def create_vfs(host: FakeHost, seam: Seam | None, first: int, count: int, driver: str = "vfio-pci") -> list[str]:
-    """Make VFs ``first..first+count-1`` of PF in sysfs, then send their add uevents (when the
-    daemon runs: ``seam``)."""
-    pf_dir = host.device_dir(PF)
-    addresses = []
-    for index in range(first, first + count):
-        address = vf_address(index)
-        vf_dir = host.add_pci(address, device="154c", driver=None, numa_node=0, bridge=pf_dir.parent.name)
-        (vf_dir / "physfn").symlink_to(f"../{PF}")
-        (pf_dir / f"virtfn{index}").symlink_to(f"../{address}")
-        host.set_iommu_group(address, 200 + index)
-        host.bind(address, driver)
-        addresses.append(address)
-    (pf_dir / "sriov_numvfs").write_text(f"{first + count}\n")
-    for address in addresses if seam is not None else ():
-        seam.send("add", host.devpath(address), "pci", PCI_SLOT_NAME=address)
-    return addresses
-
-
-@pytest.fixture
-def seam(short_tmp: Path) -> Seam:
-    return Seam(short_tmp / "uevents.sock")
-
+from tests.seam import PF, Seam, create_vfs, remove_vf, run_with_seam, vf_address
 
 VFIO_CONFIG = {"resourceList": [
     {"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}},
@@ -69,9 +20,7 @@ VFIO_CONFIG = {"resourceList": [
 
 
 def start(run_daemon, seam: Seam, config: dict = VFIO_CONFIG):
-    daemon = run_daemon(config, "--uevent-source", f"unix:{seam.path}")
-    seam.wait_ready()
-    return daemon
+    return run_with_seam(run_daemon, seam, config)
 
 
 def test_vfs_created_at_runtime_reach_the_kubelet(host, kubelet, run_daemon, seam):
@@ -111,11 +60,7 @@ def test_removed_vf_leaves_the_list_and_allocate_refuses_it(host, kubelet, run_d
     create_vfs(host, None, 0, 3)
     start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/dpdk", 3)
-    gone = vf_address(2)
-    devpath = host.devpath(gone)
-    (host.device_dir(PF) / "virtfn2").unlink()
-    host.remove_pci(gone)
-    seam.send("remove", devpath, "pci")
+    gone = remove_vf(host, seam, 2)
     kubelet.wait_for_devices("intel.com/dpdk", 2)
     with pytest.raises(grpc.RpcError) as refused:
         kubelet.allocate("intel.com/dpdk", [gone])

@@ -19,7 +19,7 @@ from tests.conftest import DaemonProcess
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.pci import add_nvme_pf
-from tests.test_daemon_events import Seam
+from tests.seam import Seam, run_with_seam
 
 PF_A, PF_B = "0000:01:00.0", "0000:02:00.0"
 
@@ -43,15 +43,8 @@ def two_pf_config(policy: str | None) -> dict[str, Any]:
     return {"resourceList": [pool]}
 
 
-@pytest.fixture
-def seam(short_tmp: Path) -> Seam:
-    return Seam(short_tmp / "uevents.sock")
-
-
 def start(run_daemon: Callable[..., DaemonProcess], seam: Seam, config: dict[str, Any] = CONFIG) -> DaemonProcess:
-    daemon = run_daemon(config, "--uevent-source", f"unix:{seam.path}")
-    seam.wait_ready()
-    return daemon
+    return run_with_seam(run_daemon, seam, config)
 
 
 def test_a_bind_uevent_brings_a_vf_in_with_its_group(

@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO_ROOT, daemon_command
 from tests.fakesysfs import FakeHost
-from tests.test_daemon_events import Seam, create_vfs
+from tests.seam import create_vfs, remove_vf, run_with_seam
 from tests.waiting import wait_until
 
 PF = "0000:3b:00.0"
@@ -172,16 +172,11 @@ def test_a_corrupt_lease_file_is_moved_aside_and_the_daemon_starts(sriov, short_
     daemon.wait_for_log("is corrupt")
 
 
-def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_daemon):
-    seam = Seam(short_tmp / "uevents.sock")
-    run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
-    seam.wait_ready()
+def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_daemon, seam):
+    run_with_seam(run_daemon, seam, CONFIG, registration="none")
     wait_for_control(short_tmp)
     lease = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[3], "-o", "json").stdout)
-    devpath = sriov.devpath(VFS[3])
-    (sriov.device_dir(PF) / "virtfn3").unlink()
-    sriov.remove_pci(VFS[3])
-    seam.send("remove", devpath, "pci")
+    assert remove_vf(sriov, seam, 3) == VFS[3]
     def kept_with_the_device_missing() -> list:
         kept = json.loads(cli(short_tmp, "leases", "-o", "json").stdout)
         return kept if kept and kept[0]["missing_devices"] == [VFS[3]] else []
@@ -190,10 +185,8 @@ def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_
     assert kept[0]["lease"] == lease["lease"]
 
 
-def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon):
-    seam = Seam(short_tmp / "uevents.sock")
-    run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
-    seam.wait_ready()
+def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon, seam):
+    run_with_seam(run_daemon, seam, CONFIG, registration="none")
     wait_for_control(short_tmp)
     watcher = subprocess.Popen(daemon_command("watch", "-o", "json", "--control-socket", str(short_tmp / "control.sock")),
                                cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
@@ -203,11 +196,7 @@ def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon)
         state = {(p["resource"], d["id"]): d for p in snapshot["pools"] for d in p["devices"]}
         create_vfs(sriov, seam, 4, 4)
         lease = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[0], "-o", "json").stdout)
-        gone = VFS[2]
-        devpath = sriov.devpath(gone)
-        (sriov.device_dir(PF) / "virtfn2").unlink()
-        sriov.remove_pci(gone)
-        seam.send("remove", devpath, "pci")
+        assert remove_vf(sriov, seam, 2) == VFS[2]
         deadline = time.monotonic() + 10
         versions = [snapshot["version"]]
         while True:
@@ -231,10 +220,8 @@ def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon)
         watcher.wait()
 
 
-def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, run_daemon):
-    seam = Seam(short_tmp / "uevents.sock")
-    daemon = run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
-    seam.wait_ready()
+def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, run_daemon, seam):
+    daemon = run_with_seam(run_daemon, seam, CONFIG, registration="none")
     wait_for_control(short_tmp)
     for _ in range(3):
         watcher = subprocess.Popen(daemon_command("watch", "-o", "json", "--control-socket",
