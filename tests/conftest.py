@@ -20,6 +20,7 @@ from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.pci import Pci
 from tests.seam import Seam
+from tests.uevents import ZramDevices
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +57,14 @@ def kubelet(short_tmp: Path) -> Iterator[FakeKubelet]:
     stand_in.start()
     yield stand_in
     stand_in.close()
+
+
+@pytest.fixture
+def zram() -> Iterator[ZramDevices]:
+    """Real zram block devices (real nodes, real uevents) the test makes; removed after it."""
+    devices = ZramDevices()
+    yield devices
+    devices.cleanup()
 
 
 @dataclass

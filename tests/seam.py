@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakesysfs import FakeHost
+from tests.uevents import kernel_message
 from tests.waiting import wait_until
 
 PF = "0000:3b:00.0"
@@ -26,9 +27,7 @@ class Seam:
         wait_until(self.path.exists, timeout, "the daemon never bound its uevent socket", interval=0.01)
 
     def send(self, action: str, devpath: str, subsystem: str, **properties: str) -> None:
-        fields = {"ACTION": action, "DEVPATH": devpath, "SUBSYSTEM": subsystem, **properties}
-        payload = f"{action}@{devpath}\0".encode() + b"".join(f"{k}={v}\0".encode() for k, v in fields.items())
-        self.socket.sendto(payload, str(self.path))
+        self.socket.sendto(kernel_message(action, devpath, SUBSYSTEM=subsystem, **properties), str(self.path))
 
 
 def run_with_seam(run_daemon: Callable[..., Any], seam: Seam, config: dict[str, Any], **options: Any) -> Any:

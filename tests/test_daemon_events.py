@@ -173,38 +173,16 @@ def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam
 
 # -- real kernel devices ---------------------------------------------------------------------
 
-ZRAM_CONTROL = Path("/sys/class/zram-control")
 
-
-@pytest.fixture
-def zram_device():
-    """A zram block device made with hot_add (a real node and real uevents); removed after."""
-    created: list[int] = []
-
-    def add() -> int:
-        index = int((ZRAM_CONTROL / "hot_add").read_text())
-        created.append(index)
-        return index
-
-    def remove(index: int) -> None:
-        (ZRAM_CONTROL / "hot_remove").write_text(str(index))
-        created.remove(index)
-
-    yield add, remove
-    for index in created:
-        (ZRAM_CONTROL / "hot_remove").write_text(str(index))
-
-
-def test_real_zram_nodes_join_and_leave_a_devnode_pool(short_tmp, kubelet, run_daemon, zram_device):
-    add, remove = zram_device
-    first = add()  # the pool must have a device to be registered at all
+def test_real_zram_nodes_join_and_leave_a_devnode_pool(short_tmp, kubelet, run_daemon, zram):
+    first = zram.add()  # the pool must have a device to be registered at all
     config = {"resourceList": [{"resourceName": "zram", "resourcePrefix": "devices.example.com",
                                 "deviceType": "devNode", "selectors": {"paths": ["/dev/zram*"]}}]}
     run_daemon(config, "--dev-root", "/dev", "--uevent-source", "kernel")
     kubelet.wait_for(lambda k: f"zram{first}" in k.state("devices.example.com/zram").devices, what="first zram")
-    second = add()
+    second = zram.add()
     kubelet.wait_for(lambda k: f"zram{second}" in k.state("devices.example.com/zram").devices, what="hot_add")
     response = kubelet.allocate("devices.example.com/zram", [f"zram{second}"])
     assert [d.host_path for d in response.container_responses[0].devices] == [f"/dev/zram{second}"]
-    remove(second)
+    zram.remove(second)
     kubelet.wait_for(lambda k: f"zram{second}" not in k.state("devices.example.com/zram").devices, what="hot_remove")
