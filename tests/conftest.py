@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,17 @@ def zram() -> Iterator[ZramDevices]:
     devices = ZramDevices()
     yield devices
     devices.cleanup()
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A fresh network namespace ``dpt-<random>``, deleted (with the links made in it) afterwards."""
+    name = f"dpt-{secrets.token_hex(4)}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @dataclass

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -24,16 +23,6 @@ VFS = ["0000:3b:02.0", "0000:3b:02.1", "0000:3b:02.2"]
 
 def ip(*arguments: str) -> None:
     subprocess.run(["ip", *arguments], check=True, capture_output=True)
-
-
-@pytest.fixture
-def netns() -> Iterator[str]:
-    name = f"dpn-{secrets.token_hex(3)}"
-    ip("netns", "add", name)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def veth(namespace: str, name: str, up: bool = True) -> None:
