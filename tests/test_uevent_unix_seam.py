@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from daemon.core import Event, UEvent
 from daemon.sources.uevent_wire import parse_kernel_uevent
@@ -37,7 +38,7 @@ class StepCounter(trio.abc.Instrument):
 
 async def test_none_source_sends_nothing() -> None:
     async with running(NullUEventSource()) as receive:
-        await trio.sleep(0.05)
+        await trio.testing.wait_all_tasks_blocked()  # the source did all it does unprompted
         assert nothing_queued(receive)
 
 
@@ -155,9 +156,9 @@ async def test_unix_seam_does_not_wake_while_idle(short_tmp: Path) -> None:
     trio.lowlevel.add_instrument(counter)
     try:
         async with running(UnixUEventSource(path, BLOCK)) as receive:
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()  # the source is waiting for its socket
             idle_from = counter.steps
-            await trio.sleep(0.5)
+            await trio.sleep(0.5)  # the idle time observed, not a wait for something
             assert counter.steps == idle_from  # not one step in half a second
             send_datagram(path, ZRAM_ADD)
             await next_matching(receive, lambda e: True)
