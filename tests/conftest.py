@@ -1,4 +1,8 @@
-"""Fixtures: a fake host in the kernel's layout, a kubelet stand-in, and the real daemon process."""
+"""Fixtures: a fake host in the kernel's layout, a kubelet stand-in, the real daemon process,
+and real kernel devices and namespaces the tests make.
+
+``REPO_ROOT`` and ``report_line`` are still imported from here by the systemd and e2e tests;
+other modules import helpers from the support modules (see ``tests/__init__.py``)."""
 
 from __future__ import annotations
 
@@ -8,24 +12,19 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.daemonrun import REPO_ROOT, DaemonProcess, daemon_command
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.pci import Pci
 from tests.seam import Seam
 from tests.uevents import ZramDevices
-from tests.waiting import wait_until
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture
 def short_tmp() -> Iterator[Path]:
@@ -77,45 +76,6 @@ def netns() -> Iterator[str]:
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-@dataclass
-class DaemonProcess:
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    workdir: Path
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
-        self.wait_until(lambda: text in self.log, f"logging {text!r}", timeout)
-
-    def wait_until(self, predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-        """:func:`tests.waiting.wait_until` while the daemon runs: its exit ends the wait at once;
-        both failures show its log."""
-        def holds_while_running() -> Any:
-            if result := predicate():
-                return result
-            if self.process.poll() is not None:
-                raise AssertionError(f"daemon exited {self.process.returncode} before {what}:\n{self.log}")
-            return result
-        return wait_until(holds_while_running, timeout, lambda: f"daemon did not get to {what}:\n{self.log}")
-
-    def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise AssertionError(f"daemon did not stop within {timeout}s:\n{self.log}") from None
-
-
-def daemon_command(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "daemon", *arguments]
 
 
 @pytest.fixture

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.daemonrun import REPO_ROOT, daemon_command
 from tests.seam import PF, Seam, create_vfs, remove_vf, run_with_seam, vf_address
 
 VFIO_CONFIG = {"resourceList": [
@@ -139,11 +141,6 @@ def test_a_broken_config_on_reload_keeps_the_old_one_served(host, kubelet, run_d
 
 def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam):
     """A ConfigMap volume: config.json -> ..data/config.json, ..data -> ..<timestamp>."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
-
     host.add_pf(PF, netdev="ens1f0")
     create_vfs(host, None, 0, 2)
     volume = short_tmp / "cm"
@@ -154,11 +151,13 @@ def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam
     log_path = short_tmp / "cm.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "run", "--config", str(volume / "config.json"),
-             "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
-             "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
-             "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", f"unix:{seam.path}", "--control-socket", str(short_tmp / "control.sock"),
-                   "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")],
+            daemon_command(
+                "run", "--config", str(volume / "config.json"),
+                "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
+                "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
+                "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", f"unix:{seam.path}",
+                "--control-socket", str(short_tmp / "control.sock"),
+                "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")),
             stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     try:
         kubelet.wait_for_devices("intel.com/dpdk", 2)

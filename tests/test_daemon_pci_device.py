@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
-from tests.conftest import DaemonProcess
+from tests.daemonrun import DaemonProcess
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.pci import add_nvme_pf

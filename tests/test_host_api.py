@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, daemon_command
+from tests.daemonrun import REPO_ROOT, control_cli, daemon_command
 from tests.fakesysfs import FakeHost
 from tests.seam import create_vfs, remove_vf, run_with_seam
 from tests.waiting import wait_until
@@ -23,8 +23,7 @@ CONFIG = {"resourceList": [{"resourceName": "dpdk", "selectors": {"drivers": ["v
 
 
 def cli(short_tmp: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(daemon_command(*arguments, "--control-socket", str(short_tmp / "control.sock")),
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    return control_cli(short_tmp / "control.sock", *arguments)
 
 
 def wait_for_control(short_tmp: Path, timeout: float = 10) -> None:

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from daemon.core import Event, LinkChanged, LinkSnapshot, LinkState
-from tests.conftest import REPO_ROOT
+from tests.daemonrun import REPO_ROOT
 from tests.linkdriver import TIMEOUT, Driver, LineReader
 
 
