@@ -1,27 +1,31 @@
-"""Fixtures: a fake host in the kernel's layout, a kubelet stand-in, and the real daemon process."""
+"""Fixtures: a fake host in the kernel's layout, a kubelet stand-in, the real daemon process,
+and real kernel devices and namespaces the tests make.
+
+``REPO_ROOT`` and ``report_line`` are still imported from here by the systemd and e2e tests;
+other modules import helpers from the support modules (see ``tests/__init__.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.daemonrun import REPO_ROOT, DaemonProcess, daemon_command
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
+from tests.pci import Pci
+from tests.seam import Seam
 from tests.slowdisk import SlowDisk
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.uevents import ZramDevices
 
 
 @pytest.fixture
@@ -35,6 +39,18 @@ def short_tmp() -> Iterator[Path]:
 @pytest.fixture
 def host(short_tmp: Path) -> FakeHost:
     return FakeHost(short_tmp / "host")
+
+
+@pytest.fixture
+def pci(host: FakeHost, short_tmp: Path) -> Pci:
+    """A PciHandler on the fake host, writing device info under ``short_tmp/devinfo``."""
+    return Pci(host, short_tmp / "devinfo")
+
+
+@pytest.fixture
+def seam(short_tmp: Path) -> Seam:
+    """Uevents for a daemon started with ``--uevent-source unix:<short_tmp>/uevents.sock``."""
+    return Seam(short_tmp / "uevents.sock")
 
 
 @pytest.fixture
@@ -52,38 +68,23 @@ def slow_disk(short_tmp: Path) -> Iterator[SlowDisk]:
         yield disk
 
 
-@dataclass
-class DaemonProcess:
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    workdir: Path
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_for_log(self, text: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.log:
-            if self.process.poll() is not None:
-                raise AssertionError(f"daemon exited {self.process.returncode} before logging {text!r}:\n{self.log}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"daemon did not log {text!r} in {timeout}s:\n{self.log}")
-            time.sleep(0.02)
-
-    def stop(self, signum: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise AssertionError(f"daemon did not stop within {timeout}s:\n{self.log}") from None
+@pytest.fixture
+def zram() -> Iterator[ZramDevices]:
+    """Real zram block devices (real nodes, real uevents) the test makes; removed after it."""
+    devices = ZramDevices()
+    yield devices
+    devices.cleanup()
 
 
-def daemon_command(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "daemon", *arguments]
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A fresh network namespace ``dpt-<random>``, deleted (with the links made in it) afterwards."""
+    name = f"dpt-{secrets.token_hex(4)}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from daemon import __version__
-from tests.conftest import REPO_ROOT, daemon_command
+from tests.daemonrun import REPO_ROOT, daemon_command
 
 GOOD = {"resourceList": [{"resourceName": "vfs", "selectors": {"drivers": ["iavf"]}}]}
 

@@ -6,63 +6,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import time
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.fakesysfs import FakeHost
-
-PF = "0000:3b:00.0"
-
-
-def vf_address(index: int) -> str:
-    return f"0000:3b:{2 + index // 8:02x}.{index % 8}"
-
-
-class Seam:
-    """Sends uevents in the kernel's wire format to the daemon's ``unix:`` uevent socket."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-
-    def wait_ready(self, timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.path.exists():
-            assert time.monotonic() < deadline, "the daemon never bound its uevent socket"
-            time.sleep(0.01)
-
-    def send(self, action: str, devpath: str, subsystem: str, **properties: str) -> None:
-        fields = {"ACTION": action, "DEVPATH": devpath, "SUBSYSTEM": subsystem, **properties}
-        payload = f"{action}@{devpath}\0".encode() + b"".join(f"{k}={v}\0".encode() for k, v in fields.items())
-        self.socket.sendto(payload, str(self.path))
-
-
-def create_vfs(host: FakeHost, seam: Seam | None, first: int, count: int, driver: str = "vfio-pci") -> list[str]:
-    """Make VFs ``first..first+count-1`` of PF in sysfs, then send their add uevents (when the
-    daemon runs: ``seam``)."""
-    pf_dir = host.device_dir(PF)
-    addresses = []
-    for index in range(first, first + count):
-        address = vf_address(index)
-        vf_dir = host.add_pci(address, device="154c", driver=None, numa_node=0, bridge=pf_dir.parent.name)
-        (vf_dir / "physfn").symlink_to(f"../{PF}")
-        (pf_dir / f"virtfn{index}").symlink_to(f"../{address}")
-        host.set_iommu_group(address, 200 + index)
-        host.bind(address, driver)
-        addresses.append(address)
-    (pf_dir / "sriov_numvfs").write_text(f"{first + count}\n")
-    for address in addresses if seam is not None else ():
-        seam.send("add", host.devpath(address), "pci", PCI_SLOT_NAME=address)
-    return addresses
-
-
-@pytest.fixture
-def seam(short_tmp: Path) -> Seam:
-    return Seam(short_tmp / "uevents.sock")
-
+from tests.daemonrun import REPO_ROOT, daemon_command
+from tests.seam import PF, Seam, create_vfs, remove_vf, run_with_seam, vf_address
 
 VFIO_CONFIG = {"resourceList": [
     {"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}},
@@ -71,9 +21,7 @@ VFIO_CONFIG = {"resourceList": [
 
 
 def start(run_daemon, seam: Seam, config: dict = VFIO_CONFIG):
-    daemon = run_daemon(config, "--uevent-source", f"unix:{seam.path}")
-    seam.wait_ready()
-    return daemon
+    return run_with_seam(run_daemon, seam, config)
 
 
 def test_vfs_created_at_runtime_reach_the_kubelet(host, kubelet, run_daemon, seam):
@@ -113,11 +61,7 @@ def test_removed_vf_leaves_the_list_and_allocate_refuses_it(host, kubelet, run_d
     create_vfs(host, None, 0, 3)
     start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/dpdk", 3)
-    gone = vf_address(2)
-    devpath = host.devpath(gone)
-    (host.device_dir(PF) / "virtfn2").unlink()
-    host.remove_pci(gone)
-    seam.send("remove", devpath, "pci")
+    gone = remove_vf(host, seam, 2)
     kubelet.wait_for_devices("intel.com/dpdk", 2)
     with pytest.raises(grpc.RpcError) as refused:
         kubelet.allocate("intel.com/dpdk", [gone])
@@ -131,9 +75,13 @@ def test_burst_of_256_vfs_becomes_a_few_messages(host, kubelet, run_daemon, seam
     kubelet.wait_for_devices("intel.com/dpdk", 1)
     before = len(kubelet.state("intel.com/dpdk").messages)
     create_vfs(host, seam, 1, 255)
-    state = kubelet.wait_for_devices("intel.com/dpdk", 256)
-    time.sleep(0.2)  # nothing more should follow the final list
-    messages = state.messages[before:]
+    kubelet.wait_for_devices("intel.com/dpdk", 256)
+    # Nothing more should follow the final list: one more VF after it, and its list, show that the
+    # daemon got past the burst; every message before that one is the burst's.
+    (marker,) = create_vfs(host, seam, 256, 1)
+    state = kubelet.wait_for_devices("intel.com/dpdk", 257)
+    received = list(state.messages)
+    messages = received[before:next(i for i, devices in enumerate(received) if marker in devices)]
     assert len(messages[-1]) == 256
     assert len(messages) <= 8, f"{len(messages)} ListAndWatch messages for one burst"
     assert all(messages[i] != messages[i + 1] for i in range(len(messages) - 1))
@@ -193,11 +141,6 @@ def test_a_broken_config_on_reload_keeps_the_old_one_served(host, kubelet, run_d
 
 def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam):
     """A ConfigMap volume: config.json -> ..data/config.json, ..data -> ..<timestamp>."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
-
     host.add_pf(PF, netdev="ens1f0")
     create_vfs(host, None, 0, 2)
     volume = short_tmp / "cm"
@@ -208,11 +151,13 @@ def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam
     log_path = short_tmp / "cm.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "daemon", "run", "--config", str(volume / "config.json"),
-             "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
-             "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
-             "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", f"unix:{seam.path}", "--control-socket", str(short_tmp / "control.sock"),
-                   "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")],
+            daemon_command(
+                "run", "--config", str(volume / "config.json"),
+                "--sysfs-root", str(host.sys), "--dev-root", str(host.dev), "--proc-root", str(host.proc),
+                "--device-plugin-dir", str(short_tmp / "device-plugins"), "--registration", "kubelet",
+                "--devinfo-dir", str(short_tmp / "devinfo"), "--uevent-source", f"unix:{seam.path}",
+                "--control-socket", str(short_tmp / "control.sock"),
+                "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")),
             stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     try:
         kubelet.wait_for_devices("intel.com/dpdk", 2)
@@ -230,38 +175,16 @@ def test_configmap_style_symlink_swap_is_reloaded(host, kubelet, short_tmp, seam
 
 # -- real kernel devices ---------------------------------------------------------------------
 
-ZRAM_CONTROL = Path("/sys/class/zram-control")
 
-
-@pytest.fixture
-def zram_device():
-    """A zram block device made with hot_add (a real node and real uevents); removed after."""
-    created: list[int] = []
-
-    def add() -> int:
-        index = int((ZRAM_CONTROL / "hot_add").read_text())
-        created.append(index)
-        return index
-
-    def remove(index: int) -> None:
-        (ZRAM_CONTROL / "hot_remove").write_text(str(index))
-        created.remove(index)
-
-    yield add, remove
-    for index in created:
-        (ZRAM_CONTROL / "hot_remove").write_text(str(index))
-
-
-def test_real_zram_nodes_join_and_leave_a_devnode_pool(short_tmp, kubelet, run_daemon, zram_device):
-    add, remove = zram_device
-    first = add()  # the pool must have a device to be registered at all
+def test_real_zram_nodes_join_and_leave_a_devnode_pool(short_tmp, kubelet, run_daemon, zram):
+    first = zram.add()  # the pool must have a device to be registered at all
     config = {"resourceList": [{"resourceName": "zram", "resourcePrefix": "devices.example.com",
                                 "deviceType": "devNode", "selectors": {"paths": ["/dev/zram*"]}}]}
     run_daemon(config, "--dev-root", "/dev", "--uevent-source", "kernel")
     kubelet.wait_for(lambda k: f"zram{first}" in k.state("devices.example.com/zram").devices, what="first zram")
-    second = add()
+    second = zram.add()
     kubelet.wait_for(lambda k: f"zram{second}" in k.state("devices.example.com/zram").devices, what="hot_add")
     response = kubelet.allocate("devices.example.com/zram", [f"zram{second}"])
     assert [d.host_path for d in response.container_responses[0].devices] == [f"/dev/zram{second}"]
-    remove(second)
+    zram.remove(second)
     kubelet.wait_for(lambda k: f"zram{second}" not in k.state("devices.example.com/zram").devices, what="hot_remove")

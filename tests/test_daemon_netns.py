@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.daemonrun import REPO_ROOT, daemon_command
 from tests.fakesysfs import FakeHost
 
 PF = "0000:3b:00.0"
@@ -24,16 +22,6 @@ VFS = ["0000:3b:02.0", "0000:3b:02.1", "0000:3b:02.2"]
 
 def ip(*arguments: str) -> None:
     subprocess.run(["ip", *arguments], check=True, capture_output=True)
-
-
-@pytest.fixture
-def netns() -> Iterator[str]:
-    name = f"dpn-{secrets.token_hex(3)}"
-    ip("netns", "add", name)
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def veth(namespace: str, name: str, up: bool = True) -> None:
@@ -52,11 +40,12 @@ def daemon_in(short_tmp: Path, host: FakeHost) -> Iterator:
         config_path = short_tmp / "config.json"
         config_path.write_text(json.dumps(config))
         log_path = short_tmp / "daemon.log"
-        command = ["ip", "netns", "exec", namespace, sys.executable, "-m", "daemon", "run",
-                   "--config", str(config_path), "--sysfs-root", str(host.sys), "--dev-root", str(host.dev),
-                   "--proc-root", str(host.proc), "--device-plugin-dir", str(short_tmp / "device-plugins"),
-                   "--devinfo-dir", str(short_tmp / "devinfo"), "--registration", "kubelet", *extra, "--control-socket", str(short_tmp / "control.sock"),
-                   "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state")]
+        command = ["ip", "netns", "exec", namespace, *daemon_command(
+            "run", "--config", str(config_path), "--sysfs-root", str(host.sys), "--dev-root", str(host.dev),
+            "--proc-root", str(host.proc), "--device-plugin-dir", str(short_tmp / "device-plugins"),
+            "--devinfo-dir", str(short_tmp / "devinfo"), "--registration", "kubelet", *extra,
+            "--control-socket", str(short_tmp / "control.sock"),
+            "--cdi-dir", str(short_tmp / "cdi"), "--state-dir", str(short_tmp / "state"))]
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})

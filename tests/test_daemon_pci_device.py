@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,31 +14,18 @@ import grpc
 import pytest
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
-from tests.conftest import DaemonProcess
+from tests.daemonrun import DaemonProcess
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
-from tests.test_daemon_events import Seam
+from tests.pci import add_nvme_pf
+from tests.seam import Seam, run_with_seam
 
 PF_A, PF_B = "0000:01:00.0", "0000:02:00.0"
-NVME_CLASS = "010802"
 
 
-def vfs_of(pf: str, count: int) -> list[str]:
-    return [f"{pf[:-1]}{index + 1}" for index in range(count)]
-
-
-def add_nvme_pf(host: FakeHost, pf: str, vf_count: int, first_group: int, bound: int) -> list[str]:
-    """An emulated-NVMe-like PF (no netdev) whose first ``bound`` VFs are bound to vfio-pci."""
-    host.add_pf(pf, netdev=None, vendor="1b36", device="0010", class_code=NVME_CLASS, driver="nvme",
-                bridge=f"0000:00:0{pf[6]}.0", total_vfs=8)
-    addresses = vfs_of(pf, vf_count)
-    host.add_vfs(pf, addresses, driver=None, vendor="1b36", device="0010",
-                 iommu_groups=[first_group + index for index in range(vf_count)])
-    for index, address in enumerate(addresses):
-        host.set_file(address, "class", f"0x{NVME_CLASS}\n")
-        if index < bound:
-            host.bind(address, "vfio-pci")
-    return addresses
+def vfio_bound(count: int, bound: int) -> list[str | None]:
+    """Drivers for ``count`` VFs: the first ``bound`` on vfio-pci, the rest unbound."""
+    return ["vfio-pci"] * bound + [None] * (count - bound)
 
 
 CONFIG = {"resourceList": [
@@ -56,21 +42,14 @@ def two_pf_config(policy: str | None) -> dict[str, Any]:
     return {"resourceList": [pool]}
 
 
-@pytest.fixture
-def seam(short_tmp: Path) -> Seam:
-    return Seam(short_tmp / "uevents.sock")
-
-
 def start(run_daemon: Callable[..., DaemonProcess], seam: Seam, config: dict[str, Any] = CONFIG) -> DaemonProcess:
-    daemon = run_daemon(config, "--uevent-source", f"unix:{seam.path}")
-    seam.wait_ready()
-    return daemon
+    return run_with_seam(run_daemon, seam, config)
 
 
 def test_a_bind_uevent_brings_a_vf_in_with_its_group(
     host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam
 ) -> None:
-    vfs = add_nvme_pf(host, PF_A, 3, first_group=10, bound=1)
+    vfs = add_nvme_pf(host, PF_A, vfio_bound(3, 1), first_group=10)
     start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/nvme_a", 1)
     host.bind(vfs[2], "vfio-pci")
@@ -89,8 +68,8 @@ def test_a_bind_uevent_brings_a_vf_in_with_its_group(
 def test_preferred_allocation_is_offered_only_with_a_policy(
     host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam
 ) -> None:
-    add_nvme_pf(host, PF_A, 4, first_group=10, bound=4)
-    vfs_b = add_nvme_pf(host, PF_B, 4, first_group=20, bound=4)
+    add_nvme_pf(host, PF_A, vfio_bound(4, 4), first_group=10)
+    vfs_b = add_nvme_pf(host, PF_B, vfio_bound(4, 4), first_group=20)
     start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/nvme_a", 4)
     kubelet.wait_for_devices("intel.com/nvme_rest", 4)
@@ -106,8 +85,8 @@ def test_preferred_allocation_is_offered_only_with_a_policy(
 def test_packed_fills_one_pf_and_spread_alternates_as_the_kubelet_asks(
     host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam, short_tmp: Path
 ) -> None:
-    vfs_a = add_nvme_pf(host, PF_A, 4, first_group=10, bound=4)
-    vfs_b = add_nvme_pf(host, PF_B, 4, first_group=20, bound=4)
+    vfs_a = add_nvme_pf(host, PF_A, vfio_bound(4, 4), first_group=10)
+    vfs_b = add_nvme_pf(host, PF_B, vfio_bound(4, 4), first_group=20)
     daemon = start(run_daemon, seam, two_pf_config("packed"))
     kubelet.wait_for_devices("intel.com/nvme", 8)
     assert kubelet.offers_preferred_allocation("intel.com/nvme")
@@ -130,7 +109,7 @@ def test_packed_fills_one_pf_and_spread_alternates_as_the_kubelet_asks(
 def test_a_policy_removed_on_reload_is_no_longer_offered(
     host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam, short_tmp: Path
 ) -> None:
-    add_nvme_pf(host, PF_A, 2, first_group=10, bound=2)
+    add_nvme_pf(host, PF_A, vfio_bound(2, 2), first_group=10)
     daemon = start(run_daemon, seam, two_pf_config("packed"))
     kubelet.wait_for_devices("intel.com/nvme", 2)
     assert kubelet.offers_preferred_allocation("intel.com/nvme")
@@ -142,18 +121,21 @@ def test_a_policy_removed_on_reload_is_no_longer_offered(
     assert "options of intel.com/nvme changed: serving it again" in daemon.log
     (short_tmp / "config-0.json").write_text(json.dumps(two_pf_config(None)))
     daemon.process.send_signal(signal.SIGHUP)  # the same options again: nothing to redo
-    deadline = time.monotonic() + 10
-    while daemon.log.count("config reloaded") < 2:
-        assert time.monotonic() < deadline, daemon.log
-        time.sleep(0.02)
-    time.sleep(0.3)  # a needless re-registration would follow the reload within milliseconds
+    daemon.wait_until(lambda: daemon.log.count("config reloaded") >= 2, "the second reload")
     assert kubelet.state("intel.com/nvme").registrations == 2
+    # A needless re-registration would follow that reload; a reload that does change the options
+    # comes after it, so once the kubelet sees the policy back, it has seen that one (or none).
+    (short_tmp / "config-0.json").write_text(json.dumps(two_pf_config("packed")))
+    daemon.process.send_signal(signal.SIGHUP)
+    kubelet.wait_for(lambda k: k.offers_preferred_allocation("intel.com/nvme") and k.state("intel.com/nvme").connected,
+                     what="re-registered with the policy back")
+    assert kubelet.state("intel.com/nvme").registrations == 3
 
 
 def test_an_unknown_policy_on_reload_is_refused_and_the_pools_stay(
     host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam, short_tmp: Path
 ) -> None:
-    vfs = add_nvme_pf(host, PF_A, 2, first_group=10, bound=1)
+    vfs = add_nvme_pf(host, PF_A, vfio_bound(2, 1), first_group=10)
     daemon = start(run_daemon, seam)
     kubelet.wait_for_devices("intel.com/nvme_a", 1)
     broken = json.loads(json.dumps(CONFIG))
@@ -171,7 +153,7 @@ def test_an_unknown_policy_on_reload_is_refused_and_the_pools_stay(
 def test_a_group_changed_without_a_uevent_is_handed_out_fresh_and_read_into_cdi(
     host: FakeHost, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], short_tmp: Path
 ) -> None:
-    vfs = add_nvme_pf(host, PF_A, 2, first_group=10, bound=2)
+    vfs = add_nvme_pf(host, PF_A, vfio_bound(2, 2), first_group=10)
     daemon = run_daemon(two_pf_config(None), "--uevent-source", "none", "--cdi")
     kubelet.wait_for_devices("intel.com/nvme", 2)
     spec_file = short_tmp / "cdi" / "devplugd-intel.com-nvme.json"
@@ -179,10 +161,8 @@ def test_a_group_changed_without_a_uevent_is_handed_out_fresh_and_read_into_cdi(
     answer = kubelet.allocate("intel.com/nvme", vfs).container_responses[0]
     assert [spec.host_path for spec in answer.devices] == ["/dev/vfio/vfio", "/dev/vfio/31", "/dev/vfio/11"]
     assert [cdi.name for cdi in answer.cdi_devices] == [f"intel.com/nvme={vfs[1]}"]
-    deadline = time.monotonic() + 10
-    while "/dev/vfio/31" not in (spec_file.read_text() if spec_file.exists() else ""):
-        assert time.monotonic() < deadline, f"the CDI spec never followed\n{daemon.log}"
-        time.sleep(0.02)
+    daemon.wait_until(lambda: "/dev/vfio/31" in (spec_file.read_text() if spec_file.exists() else ""),
+                      "the CDI spec following the new group")
     assert "/dev/vfio/10" not in spec_file.read_text()
     assert "IOMMU group changed from 10 to 31" in daemon.log
     again = kubelet.allocate("intel.com/nvme", vfs).container_responses[0]

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, daemon_command
+from tests.daemonrun import REPO_ROOT, control_cli, daemon_command
+from tests.daemonrun import wait_for_control as wait_for_control_socket
 from tests.fakesysfs import FakeHost
-from tests.test_daemon_events import Seam, create_vfs
+from tests.seam import create_vfs, remove_vf, run_with_seam
+from tests.waiting import wait_until
 
 PF = "0000:3b:00.0"
 VFS = [f"0000:3b:02.{n}" for n in range(4)]
@@ -22,15 +24,11 @@ CONFIG = {"resourceList": [{"resourceName": "dpdk", "selectors": {"drivers": ["v
 
 
 def cli(short_tmp: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(daemon_command(*arguments, "--control-socket", str(short_tmp / "control.sock")),
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    return control_cli(short_tmp / "control.sock", *arguments)
 
 
 def wait_for_control(short_tmp: Path, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while cli(short_tmp, "list", "-o", "json").returncode != 0:
-        assert time.monotonic() < deadline, "the control socket never answered"
-        time.sleep(0.05)
+    wait_for_control_socket(short_tmp / "control.sock", timeout)
 
 
 @pytest.fixture
@@ -173,30 +171,21 @@ def test_a_corrupt_lease_file_is_moved_aside_and_the_daemon_starts(sriov, short_
     daemon.wait_for_log("is corrupt")
 
 
-def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_daemon):
-    seam = Seam(short_tmp / "uevents.sock")
-    run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
-    seam.wait_ready()
+def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_daemon, seam):
+    run_with_seam(run_daemon, seam, CONFIG, registration="none")
     wait_for_control(short_tmp)
     lease = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[3], "-o", "json").stdout)
-    devpath = sriov.devpath(VFS[3])
-    (sriov.device_dir(PF) / "virtfn3").unlink()
-    sriov.remove_pci(VFS[3])
-    seam.send("remove", devpath, "pci")
-    deadline = time.monotonic() + 10
-    while True:
+    assert remove_vf(sriov, seam, 3) == VFS[3]
+    def kept_with_the_device_missing() -> list:
         kept = json.loads(cli(short_tmp, "leases", "-o", "json").stdout)
-        if kept and kept[0]["missing_devices"] == [VFS[3]]:
-            break
-        assert time.monotonic() < deadline, kept
-        time.sleep(0.05)
+        return kept if kept and kept[0]["missing_devices"] == [VFS[3]] else []
+
+    kept = wait_until(kept_with_the_device_missing, 10, "the lease marked with its missing device", interval=0.05)
     assert kept[0]["lease"] == lease["lease"]
 
 
-def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon):
-    seam = Seam(short_tmp / "uevents.sock")
-    run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
-    seam.wait_ready()
+def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon, seam):
+    run_with_seam(run_daemon, seam, CONFIG, registration="none")
     wait_for_control(short_tmp)
     watcher = subprocess.Popen(daemon_command("watch", "-o", "json", "--control-socket", str(short_tmp / "control.sock")),
                                cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
@@ -206,11 +195,7 @@ def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon)
         state = {(p["resource"], d["id"]): d for p in snapshot["pools"] for d in p["devices"]}
         create_vfs(sriov, seam, 4, 4)
         lease = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[0], "-o", "json").stdout)
-        gone = VFS[2]
-        devpath = sriov.devpath(gone)
-        (sriov.device_dir(PF) / "virtfn2").unlink()
-        sriov.remove_pci(gone)
-        seam.send("remove", devpath, "pci")
+        assert remove_vf(sriov, seam, 2) == VFS[2]
         deadline = time.monotonic() + 10
         versions = [snapshot["version"]]
         while True:
@@ -234,10 +219,8 @@ def test_watch_deltas_under_hotplug_add_up_to_list(sriov, short_tmp, run_daemon)
         watcher.wait()
 
 
-def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, run_daemon):
-    seam = Seam(short_tmp / "uevents.sock")
-    daemon = run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", registration="none")
-    seam.wait_ready()
+def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, run_daemon, seam):
+    daemon = run_with_seam(run_daemon, seam, CONFIG, registration="none")
     wait_for_control(short_tmp)
     for _ in range(3):
         watcher = subprocess.Popen(daemon_command("watch", "-o", "json", "--control-socket",
@@ -247,10 +230,8 @@ def test_a_client_that_disconnects_mid_watch_changes_nothing(sriov, short_tmp, r
         watcher.kill()
         watcher.wait()
     create_vfs(sriov, seam, 4, 1)  # a change with the dead streams' subscriptions (if any) still there
-    deadline = time.monotonic() + 10
-    while len(json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]) != 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: len(json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]) == 5, 10,
+               "the new VF listed", interval=0.05)
     assert daemon.process.poll() is None
     assert "Traceback" not in daemon.log
 

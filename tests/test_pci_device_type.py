@@ -16,31 +16,12 @@ from daemon.cdi import with_cdi_names
 from daemon.core import allocate_container
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
-from tests.test_pci_handler import Pci
+from tests.pci import Pci, add_nvme_pf, nvme_vfs
 
 NVME_PF = "0000:01:00.0"
-NVME_VFS = [f"0000:01:00.{i}" for i in range(1, 5)]
-NVME_CLASS = "010802"
+NVME_VFS = nvme_vfs(NVME_PF, 4)
 GPU = "0000:65:00.0"
 VFIO = DeviceSpec("/dev/vfio/vfio", "/dev/vfio/vfio")
-
-
-@pytest.fixture
-def pci(host: FakeHost, short_tmp: Path) -> Pci:
-    return Pci(host, short_tmp / "devinfo")
-
-
-def add_nvme(host: FakeHost, vf_drivers: list[str | None]) -> None:
-    """An NVMe PF (nvme driver, no netdev) with one VF per entry of ``vf_drivers``, VF i in IOMMU
-    group 10+i, as QEMU's emulated NVMe SR-IOV controller shows up."""
-    host.add_pf(NVME_PF, netdev=None, vendor="1b36", device="0010", class_code=NVME_CLASS, driver="nvme",
-                bridge="0000:00:01.0", total_vfs=8)
-    host.add_vfs(NVME_PF, NVME_VFS[:len(vf_drivers)], driver=None, vendor="1b36", device="0010",
-                 iommu_groups=[10 + i for i in range(len(vf_drivers))])
-    for address, driver in zip(NVME_VFS, vf_drivers):
-        host.set_file(address, "class", f"0x{NVME_CLASS}\n")
-        if driver is not None:
-            host.bind(address, driver)
 
 
 def pool_of(pci: Pci, selectors: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -49,7 +30,7 @@ def pool_of(pci: Pci, selectors: dict[str, Any], **extra: Any) -> dict[str, Any]
 
 
 def test_only_vfio_bound_functions_of_the_class_are_offered(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, ["vfio-pci", "vfio-pci", None, "nvme"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci", None, "nvme"])
     devices = pool_of(pci, {"classes": ["0108"]})
     assert sorted(devices) == NVME_VFS[:2]  # not the unbound VF, the nvme-bound VF, nor the PF with VFs
     assert devices[NVME_VFS[1]].specs == (VFIO, DeviceSpec("/dev/vfio/11", "/dev/vfio/11"))
@@ -57,13 +38,13 @@ def test_only_vfio_bound_functions_of_the_class_are_offered(pci: Pci, host: Fake
 
 
 def test_a_configured_driver_list_replaces_the_vfio_default(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, ["vfio-pci", None, None, "nvme"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci", None, None, "nvme"])
     assert sorted(pool_of(pci, {"classes": ["0108"], "drivers": ["nvme"]})) == [NVME_VFS[3]]
     assert sorted(pool_of(pci, {"classes": ["0108"], "drivers": ["nvme", "vfio-pci"]})) == [NVME_VFS[0], NVME_VFS[3]]
 
 
 def test_class_prefixes_pick_functions_of_any_kind(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, ["vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci"])
     host.add_pci(GPU, vendor="10de", device="20b0", class_code="030200", driver="vfio-pci", bridge="0000:64:00.0")
     host.set_iommu_group(GPU, 77)
     assert sorted(pool_of(pci, {"classes": ["0302"]})) == [GPU]
@@ -73,7 +54,7 @@ def test_class_prefixes_pick_functions_of_any_kind(pci: Pci, host: FakeHost) -> 
 
 
 def test_a_pf_without_netdev_is_named_by_its_address_with_vf_ranges(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, ["vfio-pci"] * 4)
+    add_nvme_pf(host, NVME_PF, ["vfio-pci"] * 4)
     assert sorted(pool_of(pci, {"pfNames": [f"{NVME_PF}#1-2"]})) == NVME_VFS[1:3]
     assert sorted(pool_of(pci, {"rootDevices": [f"{NVME_PF}#0,3"]})) == [NVME_VFS[0], NVME_VFS[3]]
     assert sorted(pool_of(pci, {"pfNames": ["0000:99:00.0"]})) == []
@@ -88,7 +69,7 @@ def test_a_netdev_pf_is_named_by_its_netdev(pci: Pci, host: FakeHost) -> None:
 def test_first_match_wins_across_pci_device_types(pci: Pci, host: FakeHost) -> None:
     host.add_pf("0000:3b:00.0", netdev="ens1f0", driver="ice")
     host.add_vfs("0000:3b:00.0", ["0000:3b:02.0", "0000:3b:02.1"], driver="vfio-pci", iommu_groups=[40, 41])
-    add_nvme(host, ["vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci"])
     pools = pci.pools(
         {"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"], "pfNames": ["ens1f0#0"]}},
         {"resourceName": "any", "deviceType": "pciDevice", "selectors": {}},
@@ -98,7 +79,7 @@ def test_first_match_wins_across_pci_device_types(pci: Pci, host: FakeHost) -> N
 
 
 def test_allocate_gives_vfio_specs_env_and_info_but_no_devinfo_file(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, ["vfio-pci", "vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci"])
     pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {"classes": ["0108"]}})
     allocation = pci.allocate(pool, [NVME_VFS[1], NVME_VFS[0]])
     assert allocation.specs == [VFIO, DeviceSpec("/dev/vfio/11", "/dev/vfio/11"),
@@ -111,7 +92,7 @@ def test_allocate_gives_vfio_specs_env_and_info_but_no_devinfo_file(pci: Pci, ho
 
 
 def test_allocate_hands_out_the_group_the_link_names_now(pci: Pci, host: FakeHost, caplog: Any) -> None:
-    add_nvme(host, ["vfio-pci", "vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci"])
     pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
     host.set_iommu_group(NVME_VFS[0], 31)  # changed under us, no uevent folded yet
     with caplog.at_level(logging.WARNING, logger="devplugd.pci"):
@@ -125,7 +106,7 @@ def test_allocate_hands_out_the_group_the_link_names_now(pci: Pci, host: FakeHos
 
 @pytest.mark.parametrize("change", ["unbind", "rebind_nvme", "remove"])
 def test_allocate_refuses_a_device_no_longer_bound_to_vfio(pci: Pci, host: FakeHost, change: str) -> None:
-    add_nvme(host, ["vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci"])
     pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
     if change == "unbind":
         host.unbind(NVME_VFS[0])
@@ -138,7 +119,7 @@ def test_allocate_refuses_a_device_no_longer_bound_to_vfio(pci: Pci, host: FakeH
 
 
 def test_bind_and_unbind_uevents_move_a_vf_in_and_out(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, [None, None])
+    add_nvme_pf(host, NVME_PF, [None, None])
     configured = pci.configure({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {"classes": ["0108"]}})
     handler = pci.handler
     facts = handler.scan()
@@ -152,7 +133,7 @@ def test_bind_and_unbind_uevents_move_a_vf_in_and_out(pci: Pci, host: FakeHost) 
 
 
 def test_a_vf_gone_before_its_uevent_is_read_is_dropped_quietly(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, ["vfio-pci", "vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci"])
     configured = pci.configure({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
     facts = pci.handler.scan()
     devpath = host.devpath(NVME_VFS[1])
@@ -183,7 +164,7 @@ def test_an_unknown_allocation_policy_is_refused_with_its_json_path(pci: Pci) ->
 
 
 def test_a_group_change_keeps_the_node_of_a_device_still_in_the_old_group(pci: Pci, host: FakeHost) -> None:
-    add_nvme(host, ["vfio-pci", "vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci"])
     host.set_iommu_group(NVME_VFS[1], 10)  # both VFs in group 10, as functions behind one bridge are
     pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
     host.set_iommu_group(NVME_VFS[0], 31)
@@ -200,7 +181,7 @@ def test_a_group_change_is_reported_for_a_re_read_and_kept_out_of_cdi(host: Fake
     changes.connect(reports.append)
     pci = Pci(host, short_tmp / "devinfo", PciHandler(HandlerContext(host.sys, host.dev, host.proc,
                                                                      short_tmp / "devinfo", changes)))
-    add_nvme(host, ["vfio-pci", "vfio-pci"])
+    add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci"])
     pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
     host.set_iommu_group(NVME_VFS[1], 32)
     allocation = with_cdi_names(allocate_container(pci.handler, pool, NVME_VFS[:2]), pool.resource, NVME_VFS[:2])

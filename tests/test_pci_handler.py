@@ -2,53 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import stat
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from daemon.core import ContainerAllocation, DeviceSpec, HandlerContext, ResourcePool, default_allocation
-from daemon.core import parse_config
-from daemon.handlers.pci import PciHandler
+from daemon.core import DeviceSpec
 from tests.fakesysfs import INFINIBAND, FakeHost
+from tests.pci import Pci
 
 PF = "0000:3b:00.0"
 VFS = [f"0000:3b:02.{i}" for i in range(4)]
 VFIO = DeviceSpec("/dev/vfio/vfio", "/dev/vfio/vfio")
-
-
-class Pci:
-    """A PciHandler on a fake host, with helpers to configure pools and allocate from them."""
-
-    def __init__(self, host: FakeHost, devinfo_dir: Path, handler: PciHandler | None = None) -> None:
-        self.host = host
-        self.devinfo_dir = devinfo_dir
-        self.handler = handler or PciHandler(HandlerContext(host.sys, host.dev, host.proc, devinfo_dir))
-
-    def configure(self, *entries: dict[str, Any], prefix: str = "intel.com") -> list[Any]:
-        table = {kind: (self.handler.name, self.handler.parse_pool) for kind in self.handler.device_types}
-        return list(parse_config(json.dumps({"resourceList": list(entries)}), "t", prefix, table).pools)
-
-    def pools(self, *entries: dict[str, Any], prefix: str = "intel.com") -> dict[str, ResourcePool]:
-        configured = self.configure(*entries, prefix=prefix)
-        built = self.handler.build(self.handler.scan(), configured)
-        return {p.resource: ResourcePool(p.resource, "pci", p, built[p.resource]) for p in configured}
-
-    def pool(self, entry: dict[str, Any], prefix: str = "intel.com") -> ResourcePool:
-        (only,) = self.pools(entry, prefix=prefix).values()
-        return only
-
-    def allocate(self, pool: ResourcePool, device_ids: list[str]) -> ContainerAllocation:
-        return self.handler.post_allocate(pool, device_ids, default_allocation(pool, device_ids))
-
-
-@pytest.fixture
-def pci(host: FakeHost, short_tmp: Path) -> Pci:
-    return Pci(host, short_tmp / "devinfo")
 
 
 def add_nic(host: FakeHost, *, driver: str = "iavf", netdevs: bool = True, numa: int = 0) -> None:

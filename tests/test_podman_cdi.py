@@ -43,7 +43,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT, daemon_command
+from tests.daemonrun import control_cli
 
 PACKAGES = ("podman", "runc", "busybox-static")
 BUSYBOX = Path("/bin/busybox")
@@ -209,21 +209,6 @@ def podman(short_tmp: Path) -> Iterator[Podman]:
     assert {path: _host_dir_state(path) for path in host_dirs} == host_dirs, "the host's CDI directories changed"
 
 
-def cli(control_socket: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(daemon_command(*arguments, "--control-socket", str(control_socket)), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
-
-
-def wait_for(predicate: Any, what: str, daemon: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if daemon.process.poll() is not None:
-            raise AssertionError(f"daemon exited {daemon.process.returncode} before {what}:\n{daemon.log}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} after {timeout}s:\n{daemon.log}")
-        time.sleep(0.02)
-
-
 def sections(stdout: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     current: list[str] | None = None
@@ -254,19 +239,19 @@ def test_podman_runs_a_container_with_a_device_from_the_cdi_spec(short_tmp, run_
     spec_path = cdi_dir / SPEC_NAME
     control_socket = short_tmp / "control.sock"
     daemon = run_daemon(CONFIG, "--dev-root", "/dev", "--uevent-source", "none", registration="none")
-    wait_for(spec_path.exists, f"CDI spec {spec_path}", daemon)
-    wait_for(control_socket.exists, f"control socket {control_socket}", daemon)
+    daemon.wait_until(spec_path.exists, f"CDI spec {spec_path}", timeout=15.0)
+    daemon.wait_until(control_socket.exists, f"control socket {control_socket}", timeout=15.0)
 
     # The spec: the only file in the directory, one device per ID, what podman 4.3 reads.
     assert sorted(os.listdir(cdi_dir)) == [SPEC_NAME]
     check_spec(json.loads(spec_path.read_text()))
-    listed = cli(control_socket, "list", "-o", "json")
+    listed = control_cli(control_socket, "list", "-o", "json")
     assert listed.returncode == 0, listed.stderr
     pools = {pool["resource"]: pool for pool in json.loads(listed.stdout)}
     assert sorted(device["id"] for device in pools[RESOURCE]["devices"]) == DEVICE_IDS
 
     # allocate -o json: the lease with its env and CDI name.
-    allocated = cli(control_socket, "allocate", RESOURCE, "--owner", "podman-test-json", "-o", "json")
+    allocated = control_cli(control_socket, "allocate", RESOURCE, "--owner", "podman-test-json", "-o", "json")
     assert allocated.returncode == 0, allocated.stderr
     as_json = json.loads(allocated.stdout)
     assert as_json["resource"] == RESOURCE and as_json["owner"] == "podman-test-json"
@@ -275,10 +260,10 @@ def test_podman_runs_a_container_with_a_device_from_the_cdi_spec(short_tmp, run_
     assert isinstance(as_json["envs"], dict) and as_json["lease"]
 
     # allocate -o podman: exactly the --device arguments, for another device.
-    allocated = cli(control_socket, "allocate", RESOURCE, "--owner", "podman-test-run", "-o", "podman")
+    allocated = control_cli(control_socket, "allocate", RESOURCE, "--owner", "podman-test-run", "-o", "podman")
     assert allocated.returncode == 0, allocated.stderr
     device_arguments = shlex.split(allocated.stdout)
-    leases = cli(control_socket, "leases", "-o", "json")
+    leases = control_cli(control_socket, "leases", "-o", "json")
     assert leases.returncode == 0, leases.stderr
     (run_lease,) = [lease for lease in json.loads(leases.stdout) if lease["owner"] == "podman-test-run"]
     (device_id,) = run_lease["devices"]
@@ -310,7 +295,7 @@ def test_podman_runs_a_container_with_a_device_from_the_cdi_spec(short_tmp, run_
 
     # Releases, then SIGTERM takes the spec with it.
     for lease in (as_json["lease"], run_lease["lease"]):
-        released = cli(control_socket, "release", lease)
+        released = control_cli(control_socket, "release", lease)
         assert released.returncode == 0, released.stderr
     assert daemon.stop(signal.SIGTERM) == 0, daemon.log
     assert not spec_path.exists()

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
+from tests.daemonrun import REPO_ROOT
 
 
 def _load_generator():

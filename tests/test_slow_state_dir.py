@@ -11,6 +11,7 @@ happened while a write was still in flight), not about how fast the daemon is.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,9 +24,17 @@ from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 from tests.fakesysfs import FakeHost
 from tests.slowdisk import SlowDisk
-from tests.test_daemon_events import Seam, create_vfs
-from tests.test_host_api import CONFIG, PF, VFS, cli, wait_for_control
-from tests.test_systemd_notify import NotifySocket
+from tests.daemonrun import control_cli, wait_for_control
+from tests.notify import NotifySocket
+from tests.seam import Seam, create_vfs
+
+PF = "0000:3b:00.0"
+VFS = [f"0000:3b:02.{n}" for n in range(4)]
+CONFIG = {"resourceList": [{"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}}]}
+
+
+def cli(short_tmp: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+    return control_cli(short_tmp / "control.sock", *arguments)
 
 RESOURCE = "intel.com/dpdk"
 DELAY = 1.5  # seconds in each fsync: a lease write (file, then directory) takes twice that
@@ -129,7 +138,7 @@ def test_list_and_watch_and_watchdog_keep_flowing_while_a_lease_write_is_in_fsyn
 def test_two_clients_for_the_last_device_while_the_first_write_is_in_fsync_exactly_one_wins(
         slow_disk, sriov, short_tmp, run_daemon):
     daemon = run_daemon(CONFIG, "--uevent-source", "none", "--state-dir", str(slow_disk.path), registration="none")
-    wait_for_control(short_tmp)
+    wait_for_control(short_tmp / "control.sock")
     held = allocate(short_tmp, "earlier", count=3)
     assert held.lease is not None, held.details
     last_free = sorted(set(VFS) - set(held.lease.devices))
