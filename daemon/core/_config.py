@@ -166,6 +166,7 @@ def _parse_entry(
         raise ConfigError(pool.path_of("selectors"), "is required (an object or a list of objects)")
     raw_selectors = pool.raw("selectors")
     selectors_path = pool.path_of("selectors")
+    selectors: tuple[ConfigObject, ...]
     if isinstance(raw_selectors, dict):
         selectors = (ConfigObject(raw_selectors, selectors_path),)
     elif isinstance(raw_selectors, list) and raw_selectors and all(isinstance(s, dict) for s in raw_selectors):
