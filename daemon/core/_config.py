@@ -126,7 +126,9 @@ def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTab
                     f"duplicate resource {entry.resource!r} (also at {resources[entry.resource]})",
                 )
             resources[entry.resource] = json_path
-            pools.append(ConfiguredPool(entry=entry, handler=handler_name, spec=_parse_pool(handler_name, parse_pool, entry)))
+            pools.append(
+                ConfiguredPool(entry=entry, handler=handler_name, spec=_parse_pool(handler_name, parse_pool, entry))
+            )
     except ConfigError as error:
         raise ConfigFileError(source, error) from error
     return DaemonConfig(source=source, pools=tuple(pools), warnings=tuple(warnings))

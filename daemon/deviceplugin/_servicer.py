@@ -242,7 +242,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             device_ids = list(container_request.devices_ids)
             problem = request_problem(pool, self.resource, device_ids)
             if problem is not None or pool is None:
-                log.warning("refused Allocate: container request %d: %s", index, problem, extra={"RESOURCE": self.resource})
+                log.warning("refused Allocate: container request %d: %s", index, problem,
+                            extra={"RESOURCE": self.resource})
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
             try:
                 allocation = allocate_container(self._handler, pool, device_ids)
@@ -265,7 +266,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     ) -> dp.PreferredAllocationResponse:
         pool = self._pool()
         handler = self._handler
-        if not isinstance(handler, PreferredAllocator) or pool is None or not self.options().get_preferred_allocation_available:
+        if (not isinstance(handler, PreferredAllocator) or pool is None
+                or not self.options().get_preferred_allocation_available):
             await self._refuse(context, grpc.StatusCode.UNIMPLEMENTED,
                                f"{self.resource} does not offer GetPreferredAllocation")
         responses = []

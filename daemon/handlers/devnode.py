@@ -170,7 +170,9 @@ class DevNodeHandler:
             updated[relative] = node
         return MappingProxyType(updated)
 
-    def build(self, facts: Mapping[str, DeviceNode], pools: Sequence[ConfiguredPool[DevNodePoolSpec]]) -> dict[str, DeviceMap]:
+    def build(
+        self, facts: Mapping[str, DeviceNode], pools: Sequence[ConfiguredPool[DevNodePoolSpec]]
+    ) -> dict[str, DeviceMap]:
         taken: set[str] = set()
         result: dict[str, DeviceMap] = {}
         for pool in pools:

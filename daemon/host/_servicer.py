@@ -27,7 +27,6 @@ from trio_asyncio import aio_as_trio
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
-
 from daemon.cdi import with_cdi_names
 from daemon.core import (
     HEALTHY,
@@ -213,7 +212,8 @@ class HostServicer(host_grpc.HostServicer):
         except (AllocationError, OSError, HandlerFailed) as error:
             log.error("lease of %s failed: %s", request.resource, error, exc_info=error.__cause__,
                       extra={"RESOURCE": request.resource})
-            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, AllocationError) else grpc.StatusCode.INTERNAL
+            code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, AllocationError)
+                    else grpc.StatusCode.INTERNAL)
             await _refuse(context, code, f"lease failed: {error}")
         if self._with_cdi:
             with_cdi_names(allocation, pool.resource, chosen)
@@ -270,7 +270,9 @@ _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 
 
-async def _refuse(context: grpc.aio.ServicerContext[_Request, _Response], code: grpc.StatusCode, message: str) -> NoReturn:
+async def _refuse(
+    context: grpc.aio.ServicerContext[_Request, _Response], code: grpc.StatusCode, message: str
+) -> NoReturn:
     await context.abort(code, message)
     raise AssertionError("abort raises")  # for type checkers
 
