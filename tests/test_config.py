@@ -8,10 +8,16 @@ from typing import Any
 
 import pytest
 
-from daemon.core import HandlerContext
-from daemon.core import ConfigFileError, DaemonConfig, load_config, parse_config
-from daemon.core import extended_resource_name_problem
-from daemon.core import load_handlers, parser_table
+from daemon.core import (
+    ConfigFileError,
+    DaemonConfig,
+    HandlerContext,
+    extended_resource_name_problem,
+    load_config,
+    load_handlers,
+    parse_config,
+    parser_table,
+)
 
 _CONTEXT = HandlerContext(
     sysfs_root=Path("/nonexistent/sys"),

@@ -34,11 +34,11 @@ from daemon.sources.links import (
     RECEIVE_BUFFER_BYTES,
     LinkSource,
     _drain,
-    _LinkHeaderMsg,
+    _Link,
     _link_policy_only,
+    _LinkHeaderMsg,
     _LinkTable,
     _parse_datagram,
-    _Link,
     _Tracker,
 )
 

@@ -11,7 +11,17 @@ import trio
 import trio.testing
 import trio_asyncio
 
-from daemon.core import ConfigChanged, ConfiguredPool, DaemonConfig, DeviceInfo, Event, Notifier, PoolEntry, Resync, parse_config
+from daemon.core import (
+    ConfigChanged,
+    ConfiguredPool,
+    DaemonConfig,
+    DeviceInfo,
+    Event,
+    Notifier,
+    PoolEntry,
+    Resync,
+    parse_config,
+)
 from daemon.deviceplugin import Endpoints
 from daemon.loop import EventLoop
 from daemon.settings import Settings
@@ -133,7 +143,7 @@ async def test_a_failing_handler_keeps_its_last_devices(short_tmp):
 async def test_reload_adds_and_withdraws_pools_and_a_bad_file_changes_nothing(short_tmp):
     next_config = ["{}"]
     async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
-        loop, notifier, handler = make_loop(short_tmp, nursery, next_config)
+        loop, notifier, _handler = make_loop(short_tmp, nursery, next_config)
         send, receive = trio.open_memory_channel[Event](16)
         nursery.start_soon(loop.run, receive)
         await send.send(Resync(None, "start"))

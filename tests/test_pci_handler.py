@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from daemon.core import ContainerAllocation, DeviceSpec, HandlerContext, ResourcePool, default_allocation
-from daemon.core import parse_config
+from daemon.core import ContainerAllocation, DeviceSpec, HandlerContext, ResourcePool, default_allocation, parse_config
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import INFINIBAND, FakeHost
 
