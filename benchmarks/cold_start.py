@@ -120,8 +120,8 @@ def in_process_tree_build(host: FakeHost, config_dir: Path, repeats: int = 3) ->
     from types import MappingProxyType
 
     from daemon import app
-    from daemon.settings import Settings
     from daemon.core import DeviceTree, ResourcePool
+    from daemon.settings import Settings
 
     config_path = config_dir / "inproc-config.json"
     config_path.write_text(json.dumps(pool_config()))

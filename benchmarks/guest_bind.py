@@ -33,7 +33,16 @@ from benchmarks._events import KernelEventStamper, latency_row
 
 def _inside(cycles: int, warmup: int, gap: float, share: Path) -> None:
     """In the guest: the daemon, the stand-in, the stamper, and the bind/unbind cycles."""
-    from tests.guest.scenario_sriov import PCI_DEVICES, Scenario, bind_vfio, nvme_pfs, set_num_vfs, unbind, vfs_of, write
+    from tests.guest.scenario_sriov import (
+        PCI_DEVICES,
+        Scenario,
+        bind_vfio,
+        nvme_pfs,
+        set_num_vfs,
+        unbind,
+        vfs_of,
+        write,
+    )
 
     pf = nvme_pfs()[0]
     write(PCI_DEVICES / pf / "sriov_drivers_autoprobe", "0")

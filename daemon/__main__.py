@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from daemon import __version__
-from daemon.settings import REGISTRATION_MODES, Settings
 from daemon.logs import LEVELS, configure_logging
+from daemon.settings import REGISTRATION_MODES, Settings
 
 DEFAULTS = Settings()
 
@@ -23,11 +23,14 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="serve the pools of a config file (in the foreground)")
-    run.add_argument("--config", type=Path, default=DEFAULTS.config_path, help="pool config file (default: %(default)s)")
+    run.add_argument("--config", type=Path, default=DEFAULTS.config_path,
+                     help="pool config file (default: %(default)s)")
     run.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix,
                      help="prefix of resource names without their own resourcePrefix (default: %(default)s)")
-    run.add_argument("--sysfs-root", type=Path, default=DEFAULTS.sysfs_root, help="where sysfs is read (default: %(default)s)")
-    run.add_argument("--dev-root", type=Path, default=DEFAULTS.dev_root, help="where device nodes are found (default: %(default)s)")
+    run.add_argument("--sysfs-root", type=Path, default=DEFAULTS.sysfs_root,
+                     help="where sysfs is read (default: %(default)s)")
+    run.add_argument("--dev-root", type=Path, default=DEFAULTS.dev_root,
+                     help="where device nodes are found (default: %(default)s)")
     run.add_argument("--proc-root", type=Path, default=DEFAULTS.proc_root,
                      help="where procfs is read, for IPv4 default routes (default: %(default)s)")
     run.add_argument("--device-plugin-dir", type=Path, default=DEFAULTS.device_plugin_dir,
@@ -41,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--devinfo-dir", type=Path, default=DEFAULTS.devinfo_dir,
                      help="where Multus device-info files are written (default: %(default)s)")
     run.add_argument("--cdi-dir", type=Path, default=DEFAULTS.cdi_dir, help="CDI spec directory (default: %(default)s)")
-    run.add_argument("--state-dir", type=Path, default=DEFAULTS.state_dir, help="state directory (default: %(default)s)")
+    run.add_argument("--state-dir", type=Path, default=DEFAULTS.state_dir,
+                     help="state directory (default: %(default)s)")
     run.add_argument("--uevent-source", default=DEFAULTS.uevent_source, metavar="auto|udev|kernel|none|unix:PATH",
                      help="where uevents come from: udev (after udevd's rules), kernel (netlink, no udevd "
                           "needed), auto (udev when udevd runs, else kernel), none, or unix:PATH (a datagram "

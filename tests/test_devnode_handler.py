@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 
-from daemon.core import DeviceSpec, HandlerContext
-from daemon.core import ConfigFileError, parse_config
+from daemon.core import ConfigFileError, DeviceSpec, HandlerContext, parse_config
 from daemon.handlers.devnode import DevNodeHandler
 from tests.fakesysfs import FakeHost
 

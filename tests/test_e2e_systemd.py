@@ -34,8 +34,15 @@ from tests.e2e._host import ensure_host_tools
 from tests.e2e.package import DebBuild, deb_fields, file_list, install_in_chroot, relations, tree_file_list, venv_python
 from tests.e2e.stand_in import STAGING, KubeletStandIn
 from tests.e2e.units import (
-    assert_became_active, journal, journal_cursor, message, source_monotonic, start_and_trace, unit_state,
-    wait_for_journal, wait_for_state,
+    assert_became_active,
+    journal,
+    journal_cursor,
+    message,
+    source_monotonic,
+    start_and_trace,
+    unit_state,
+    wait_for_journal,
+    wait_for_state,
 )
 
 UNIT = "devplugd.service"

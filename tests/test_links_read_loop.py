@@ -15,11 +15,11 @@ from pyroute2.netlink.rtnl.marshal import MarshalRtnl
 from daemon.core import Event, LinkChanged, LinkSnapshot, LinkState
 from daemon.sources.links import (
     _drain,
-    _LinkHeaderMsg,
+    _Link,
     _link_policy_only,
+    _LinkHeaderMsg,
     _LinkTable,
     _parse_datagram,
-    _Link,
     _Tracker,
 )
 

@@ -12,7 +12,17 @@ from typing import Any, ClassVar
 import trio
 import trio_asyncio
 
-from daemon.core import ConfigChanged, ConfiguredPool, DaemonConfig, DeviceInfo, Event, Notifier, PoolEntry, Resync, parse_config
+from daemon.core import (
+    ConfigChanged,
+    ConfiguredPool,
+    DaemonConfig,
+    DeviceInfo,
+    Event,
+    Notifier,
+    PoolEntry,
+    Resync,
+    parse_config,
+)
 from daemon.deviceplugin import Endpoints
 from daemon.loop import EventLoop
 from daemon.settings import Settings

@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from daemon.core import AllocationError, DeviceSpec, HandlerContext, HostChanges, UEvent
 from daemon.cdi import with_cdi_names
-from daemon.core import allocate_container
+from daemon.core import AllocationError, DeviceSpec, HandlerContext, HostChanges, UEvent, allocate_container
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci, add_nvme_pf, nvme_vfs

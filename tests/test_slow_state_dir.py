@@ -22,11 +22,11 @@ import pytest
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
-from tests.fakesysfs import FakeHost
-from tests.slowdisk import SlowDisk
 from tests.daemonrun import control_cli, wait_for_control
+from tests.fakesysfs import FakeHost
 from tests.notify import NotifySocket
 from tests.seam import Seam, create_vfs
+from tests.slowdisk import SlowDisk
 
 PF = "0000:3b:00.0"
 VFS = [f"0000:3b:02.{n}" for n in range(4)]

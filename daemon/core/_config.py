@@ -126,7 +126,9 @@ def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTab
                     f"duplicate resource {entry.resource!r} (also at {resources[entry.resource]})",
                 )
             resources[entry.resource] = json_path
-            pools.append(ConfiguredPool(entry=entry, handler=handler_name, spec=_parse_pool(handler_name, parse_pool, entry)))
+            pools.append(
+                ConfiguredPool(entry=entry, handler=handler_name, spec=_parse_pool(handler_name, parse_pool, entry))
+            )
     except ConfigError as error:
         raise ConfigFileError(source, error) from error
     return DaemonConfig(source=source, pools=tuple(pools), warnings=tuple(warnings))
@@ -166,6 +168,7 @@ def _parse_entry(
         raise ConfigError(pool.path_of("selectors"), "is required (an object or a list of objects)")
     raw_selectors = pool.raw("selectors")
     selectors_path = pool.path_of("selectors")
+    selectors: tuple[ConfigObject, ...]
     if isinstance(raw_selectors, dict):
         selectors = (ConfigObject(raw_selectors, selectors_path),)
     elif isinstance(raw_selectors, list) and raw_selectors and all(isinstance(s, dict) for s in raw_selectors):

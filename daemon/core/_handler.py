@@ -141,12 +141,14 @@ class ContainerPreStarter(Protocol):
 
 
 @runtime_checkable
-class PoolLifecycle(Protocol):
-    def pools_started(self, pools: Sequence[ConfiguredPool]) -> None:
+class PoolLifecycle(Protocol[SpecT]):
+    """Generic over the handler's pool spec: it hears of its own pools (``Handler[..., SpecT]``)."""
+
+    def pools_started(self, pools: Sequence[ConfiguredPool[SpecT]]) -> None:
         """Called once before the first tree is served (e.g. clean stale side files)."""
         ...
 
-    def pools_stopped(self, pools: Sequence[ConfiguredPool]) -> None:
+    def pools_stopped(self, pools: Sequence[ConfiguredPool[SpecT]]) -> None:
         """Called when these pools stop being served (shutdown, or removed by a reload)."""
         ...
 

@@ -9,7 +9,7 @@ ignored. Every accessor checks the type and raises ``ConfigError`` naming e.g.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ def expect_type(value: Any, kind: type[T], json_path: str) -> T:
         ok = isinstance(value, kind)
     if not ok:
         raise ConfigError(json_path, f"must be {_TYPE_NAMES.get(kind, kind.__name__)}, not {describe(value)}")
-    return value
+    return cast(T, value)  # checked just above
 
 
 class ConfigObject:

@@ -10,7 +10,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._config import ConfiguredPool
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -68,7 +71,7 @@ class ResourcePool:
 
     resource: str
     handler: str
-    pool_config: Any
+    pool_config: ConfiguredPool[Any]
     devices: Mapping[str, DeviceInfo]
     leased: frozenset[str] = frozenset()
 

@@ -27,7 +27,6 @@ import trio
 from trio_asyncio import aio_as_trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
-
 from daemon.core import AnyHandler, Notifier, ResourcePool
 from daemon.settings import Settings
 from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
@@ -166,7 +165,9 @@ class ResourceEndpoint:
         while True:
             socket_path = self._next_socket_path()
             self.kick.clear()
-            servicer = DevicePluginServicer(self.resource, self._handler, self._notifier, self._settings.cdi_in_allocate)
+            servicer = DevicePluginServicer(
+                self.resource, self._handler, self._notifier, self._settings.cdi_in_allocate
+            )
             registration = (
                 WatcherRegistrationServicer(self.resource, self._registration_status)
                 if self._mode == "watcher"

@@ -26,11 +26,15 @@ class WatcherRegistrationServicer(reg_grpc.RegistrationServicer):
         self._resource = resource
         self._on_status = on_status
 
-    async def GetInfo(self, request: reg.InfoRequest, context: grpc.aio.ServicerContext) -> reg.PluginInfo:
+    async def GetInfo(
+        self, request: reg.InfoRequest, context: grpc.aio.ServicerContext[reg.InfoRequest, reg.PluginInfo]
+    ) -> reg.PluginInfo:
         return reg.PluginInfo(type="DevicePlugin", name=self._resource, endpoint="", supported_versions=[API_VERSION])
 
     async def NotifyRegistrationStatus(
-        self, request: reg.RegistrationStatus, context: grpc.aio.ServicerContext
+        self,
+        request: reg.RegistrationStatus,
+        context: grpc.aio.ServicerContext[reg.RegistrationStatus, reg.RegistrationStatusResponse],
     ) -> reg.RegistrationStatusResponse:
         self._on_status(request.plugin_registered, request.error)
         return reg.RegistrationStatusResponse()

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 
@@ -43,6 +43,9 @@ MAX_IDS_NAMED = 5
 # COALESCE_QUIET. Timers run only while a change is waiting, never while idle.
 COALESCE_QUIET = 0.025
 COALESCE_MAX_DELAY = 0.25
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
 
 
 class _StreamClosed(Exception):
@@ -126,6 +129,7 @@ def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequen
     if pool is None:
         return f"resource {resource} has no devices"
     seen: set[str] = set()
+    # seen.add() returns None (falsy): each ID's first occurrence is kept out, repeats are listed
     duplicates = [i for i in device_ids if i in seen or seen.add(i)]  # type: ignore[func-returns-value]
     if duplicates:
         return f"device IDs requested more than once for {resource}: {_name_ids(duplicates)}"
@@ -193,10 +197,14 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             get_preferred_allocation_available=preferred,
         )
 
-    async def GetDevicePluginOptions(self, request: dp.Empty, context: grpc.aio.ServicerContext) -> dp.DevicePluginOptions:
+    async def GetDevicePluginOptions(
+        self, request: dp.Empty, context: grpc.aio.ServicerContext[dp.Empty, dp.DevicePluginOptions]
+    ) -> dp.DevicePluginOptions:
         return self.options()
 
-    async def ListAndWatch(self, request: dp.Empty, context: grpc.aio.ServicerContext) -> AsyncIterator[dp.ListAndWatchResponse]:
+    async def ListAndWatch(
+        self, request: dp.Empty, context: grpc.aio.ServicerContext[dp.Empty, dp.ListAndWatchResponse]
+    ) -> AsyncIterator[dp.ListAndWatchResponse]:
         mailbox = StreamMailbox()
         self._streams.add(mailbox)
         pool = self._pool()
@@ -216,11 +224,15 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         finally:
             self._streams.discard(mailbox)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext[_Request, _Response], code: grpc.StatusCode, message: str
+    ) -> NoReturn:
         await context.abort(code, message)
         raise AssertionError("abort raises")  # for type checkers
 
-    async def Allocate(self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext) -> dp.AllocateResponse:
+    async def Allocate(
+        self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[dp.AllocateRequest, dp.AllocateResponse]
+    ) -> dp.AllocateResponse:
         if not request.container_requests:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"Allocate for {self.resource}: no container_requests")
@@ -230,7 +242,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             device_ids = list(container_request.devices_ids)
             problem = request_problem(pool, self.resource, device_ids)
             if problem is not None or pool is None:
-                log.warning("refused Allocate: container request %d: %s", index, problem, extra={"RESOURCE": self.resource})
+                log.warning("refused Allocate: container request %d: %s", index, problem,
+                            extra={"RESOURCE": self.resource})
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
             try:
                 allocation = allocate_container(self._handler, pool, device_ids)
@@ -247,11 +260,14 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         return dp.AllocateResponse(container_responses=responses)
 
     async def GetPreferredAllocation(
-        self, request: dp.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+        self,
+        request: dp.PreferredAllocationRequest,
+        context: grpc.aio.ServicerContext[dp.PreferredAllocationRequest, dp.PreferredAllocationResponse],
     ) -> dp.PreferredAllocationResponse:
         pool = self._pool()
         handler = self._handler
-        if not isinstance(handler, PreferredAllocator) or pool is None or not self.options().get_preferred_allocation_available:
+        if (not isinstance(handler, PreferredAllocator) or pool is None
+                or not self.options().get_preferred_allocation_available):
             await self._refuse(context, grpc.StatusCode.UNIMPLEMENTED,
                                f"{self.resource} does not offer GetPreferredAllocation")
         responses = []
@@ -274,7 +290,9 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         return dp.PreferredAllocationResponse(container_responses=responses)
 
     async def PreStartContainer(
-        self, request: dp.PreStartContainerRequest, context: grpc.aio.ServicerContext
+        self,
+        request: dp.PreStartContainerRequest,
+        context: grpc.aio.ServicerContext[dp.PreStartContainerRequest, dp.PreStartContainerResponse],
     ) -> dp.PreStartContainerResponse:
         pool = self._pool()
         if isinstance(self._handler, ContainerPreStarter) and pool is not None:

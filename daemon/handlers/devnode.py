@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from types import MappingProxyType
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from daemon.core import (
     HEALTHY,
@@ -34,6 +34,9 @@ from daemon.core import (
     UEvent,
     read_int,
 )
+
+if TYPE_CHECKING:
+    from daemon.core import Handler
 
 log = logging.getLogger("devplugd.devnode")
 
@@ -167,7 +170,9 @@ class DevNodeHandler:
             updated[relative] = node
         return MappingProxyType(updated)
 
-    def build(self, facts: Mapping[str, DeviceNode], pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
+    def build(
+        self, facts: Mapping[str, DeviceNode], pools: Sequence[ConfiguredPool[DevNodePoolSpec]]
+    ) -> dict[str, DeviceMap]:
         taken: set[str] = set()
         result: dict[str, DeviceMap] = {}
         for pool in pools:
@@ -194,3 +199,8 @@ class DevNodeHandler:
                     devices.update(dict.fromkeys(ids, info))
             result[pool.resource] = devices
         return result
+
+
+if TYPE_CHECKING:
+    # mypy checks here that DevNodeHandler keeps the handler contract.
+    _handler: type[Handler[Mapping[str, DeviceNode], DevNodePoolSpec]] = DevNodeHandler

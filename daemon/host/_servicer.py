@@ -19,7 +19,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 import trio
@@ -27,7 +27,6 @@ from trio_asyncio import aio_as_trio
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
-
 from daemon.cdi import with_cdi_names
 from daemon.core import (
     HEALTHY,
@@ -96,10 +95,14 @@ class HostServicer(host_grpc.HostServicer):
             for resource, pool in sorted(tree.pools.items())
         ])
 
-    async def List(self, request: host.ListRequest, context: grpc.aio.ServicerContext) -> host.ListResponse:
+    async def List(
+        self, request: host.ListRequest, context: grpc.aio.ServicerContext[host.ListRequest, host.ListResponse]
+    ) -> host.ListResponse:
         return self._snapshot(self._notifier.tree)
 
-    async def Watch(self, request: host.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[host.WatchEvent]:
+    async def Watch(
+        self, request: host.WatchRequest, context: grpc.aio.ServicerContext[host.WatchRequest, host.WatchEvent]
+    ) -> AsyncIterator[host.WatchEvent]:
         stream = _WatchStream()
         sent = self._notifier.subscribe(stream)
         try:
@@ -127,7 +130,9 @@ class HostServicer(host_grpc.HostServicer):
                 events.append(host.WatchEvent(version=new.version, delta=delta))
         return events
 
-    async def Leases(self, request: host.LeasesRequest, context: grpc.aio.ServicerContext) -> host.LeasesResponse:
+    async def Leases(
+        self, request: host.LeasesRequest, context: grpc.aio.ServicerContext[host.LeasesRequest, host.LeasesResponse]
+    ) -> host.LeasesResponse:
         tree = self._notifier.tree
         return host.LeasesResponse(leases=[self._lease_message(lease, tree) for lease in
                                            sorted(self._leases.leases.values(), key=lambda x: x.created)])
@@ -184,7 +189,9 @@ class HostServicer(host_grpc.HostServicer):
                 return preferred  # the pool's allocationPolicy, as the kubelet's requests get it
         return free[: request.count]
 
-    async def Allocate(self, request: host.AllocateRequest, context: grpc.aio.ServicerContext) -> host.Lease:
+    async def Allocate(
+        self, request: host.AllocateRequest, context: grpc.aio.ServicerContext[host.AllocateRequest, host.Lease]
+    ) -> host.Lease:
         tree = self._notifier.tree
         pool = tree.pools.get(request.resource)
         if pool is None:
@@ -205,7 +212,8 @@ class HostServicer(host_grpc.HostServicer):
         except (AllocationError, OSError, HandlerFailed) as error:
             log.error("lease of %s failed: %s", request.resource, error, exc_info=error.__cause__,
                       extra={"RESOURCE": request.resource})
-            code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, AllocationError) else grpc.StatusCode.INTERNAL
+            code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, AllocationError)
+                    else grpc.StatusCode.INTERNAL)
             await _refuse(context, code, f"lease failed: {error}")
         if self._with_cdi:
             with_cdi_names(allocation, pool.resource, chosen)
@@ -223,7 +231,9 @@ class HostServicer(host_grpc.HostServicer):
                  extra={"RESOURCE": pool.resource, "EVENT": "lease"})
         return self._lease_message(lease, tree)
 
-    async def Release(self, request: host.ReleaseRequest, context: grpc.aio.ServicerContext) -> host.ReleaseResponse:
+    async def Release(
+        self, request: host.ReleaseRequest, context: grpc.aio.ServicerContext[host.ReleaseRequest, host.ReleaseResponse]
+    ) -> host.ReleaseResponse:
         try:
             lease = await self._leases.remove(request.lease)
         except LeaseError as error:
@@ -256,7 +266,13 @@ class _WatchStream:
             await self._wakeup.wait()
 
 
-async def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
+
+async def _refuse(
+    context: grpc.aio.ServicerContext[_Request, _Response], code: grpc.StatusCode, message: str
+) -> NoReturn:
     await context.abort(code, message)
     raise AssertionError("abort raises")  # for type checkers
 

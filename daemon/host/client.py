@@ -80,11 +80,12 @@ def command_watch(control_socket: Path, output: str) -> int:
     try:
         for event in _watch_events(control_socket):
             if event.HasField("snapshot"):
-                line = {"version": event.version, "kind": "snapshot",
-                        "pools": [{"resource": p.resource, "devices": [_device_json(d) for d in p.devices]}
-                                  for p in event.snapshot.pools]}
+                line: dict[str, object] = {
+                    "version": event.version, "kind": "snapshot",
+                    "pools": [{"resource": p.resource, "devices": [_device_json(d) for d in p.devices]}
+                              for p in event.snapshot.pools]}
                 text = f"v{event.version} snapshot: " + ", ".join(
-                    f"{p['resource']} ({len(p['devices'])})" for p in line["pools"])
+                    f"{p.resource} ({len(p.devices)})" for p in event.snapshot.pools)
             else:
                 delta = event.delta
                 line = {"version": event.version, "kind": DELTA_KINDS.get(delta.kind, "unknown"),

@@ -349,7 +349,7 @@ class UdevUEventSource:
             await _pump(monitor.fileno(), lambda: _receive_udev(monitor, alias, name), name, self._subsystems, send)
 
     def _open_monitor(self) -> Any:
-        import pyudev  # type: ignore[import-untyped]  # only this source needs libudev (and pyudev)
+        import pyudev  # only this source needs libudev (and pyudev)
 
         monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=self._netlink_source)
         for subsystem in sorted(self._subsystems):

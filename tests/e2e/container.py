@@ -32,7 +32,14 @@ from types import TracebackType
 
 from ._cgroup import ContainerCgroup
 from ._host import (
-    CONTAINER_PATH, HOST_ENV, CommandFailed, WorkDir, chroot_run, ensure_host_tools, locked, reap_stale,
+    CONTAINER_PATH,
+    HOST_ENV,
+    CommandFailed,
+    WorkDir,
+    chroot_run,
+    ensure_host_tools,
+    locked,
+    reap_stale,
     tmpfs_wanted,
 )
 

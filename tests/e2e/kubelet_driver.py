@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kubelet.py is copied next to this file
 
-from kubelet import FakeKubelet  # noqa: E402
+from kubelet import FakeKubelet
 
 
 def view(kubelet: FakeKubelet, listening: bool) -> dict[str, object]:

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from daemon.core import (
     AllocationError,
@@ -46,6 +46,9 @@ from ._folding import RDMA_SUBSYSTEMS, fold_links, fold_uevent
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
+
+if TYPE_CHECKING:
+    from daemon.core import Handler, PoolLifecycle, PostAllocator, PreferredAllocator
 
 log = logging.getLogger("devplugd.pci")
 
@@ -89,7 +92,7 @@ class PciHandler:
             return fold_links(facts, event)
         return facts
 
-    def build(self, facts: PciFacts, pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
+    def build(self, facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> dict[str, DeviceMap]:
         return self._builder.build(facts, pools)
 
     # PostAllocator: the default answer has the specs; add the envs and the device-info files.
@@ -152,13 +155,21 @@ class PciHandler:
         return preferred_devices(spec.allocation_policy, facts, available, must_include, size)
 
     # PoolLifecycle: device-info files are cleaned when pools start and stop, as upstream does.
-    def pools_started(self, pools: Sequence[ConfiguredPool]) -> None:
+    def pools_started(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         self._remove_devinfo(pools)
 
-    def pools_stopped(self, pools: Sequence[ConfiguredPool]) -> None:
+    def pools_stopped(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         self._remove_devinfo(pools)
 
-    def _remove_devinfo(self, pools: Sequence[ConfiguredPool]) -> None:
+    def _remove_devinfo(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         for pool in pools:
             if pool.entry.device_type == NET_DEVICE:
                 remove_devinfo_files(self._context.devinfo_dir, pool.resource)
+
+
+if TYPE_CHECKING:
+    # mypy checks here that PciHandler keeps the handler contract and the hooks it opts into.
+    _handler: type[Handler[PciFacts, PciPoolSpec]] = PciHandler
+    _post_allocator: type[PostAllocator] = PciHandler
+    _preferred_allocator: type[PreferredAllocator] = PciHandler
+    _lifecycle: type[PoolLifecycle[PciPoolSpec]] = PciHandler

@@ -20,8 +20,7 @@ from os.path import join
 from types import MappingProxyType
 from typing import Any
 
-from daemon.core import LinkState, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from daemon.core import PathLike
+from daemon.core import LinkState, PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
 
 from ._linktypes import link_type_name
 

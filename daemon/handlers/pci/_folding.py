@@ -118,6 +118,7 @@ def _child(
         facts,
         token=secrets.randbits(63),
         lineage=(*facts.lineage[-(MAX_LINEAGE - 1):], step),
+        # the callers pass PciFacts fields by name; mypy cannot match **object to replace()'s fields
         **changes,  # type: ignore[arg-type]
     )
 

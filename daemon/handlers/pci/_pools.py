@@ -75,7 +75,7 @@ def _depends_on(device: PciDevice) -> set[str]:
 
 @dataclass
 class _Built:
-    pools: tuple[ConfiguredPool, ...]
+    pools: tuple[ConfiguredPool[PciPoolSpec], ...]
     token: int
     vhost_available: bool
     placed: dict[str, str] = field(default_factory=dict)  # address -> resource
@@ -93,7 +93,7 @@ class PoolBuilder:
     def _vhost_available(self) -> bool:
         return os.path.exists(f"{self._dev_root}/vhost-net") and os.path.exists(f"{self._dev_root}/net/tun")
 
-    def build(self, facts: PciFacts, pools: Sequence[ConfiguredPool]) -> dict[str, DeviceMap]:
+    def build(self, facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> dict[str, DeviceMap]:
         pools = tuple(pools)
         vhost_available = self._vhost_available()
         last = self._last
@@ -112,7 +112,7 @@ class PoolBuilder:
         self._last = last
         return dict(last.devices)
 
-    def _full(self, facts: PciFacts, pools: tuple[ConfiguredPool, ...], vhost_available: bool) -> _Built:
+    def _full(self, facts: PciFacts, pools: tuple[ConfiguredPool[PciPoolSpec], ...], vhost_available: bool) -> _Built:
         built = _Built(pools=pools, token=facts.token, vhost_available=vhost_available)
         fresh: dict[str, dict[str, DeviceInfo]] = {pool.resource: {} for pool in pools}
         place = self._placer(facts, pools, vhost_available)
@@ -159,7 +159,7 @@ class PoolBuilder:
             built.link_users.setdefault(ifname, set()).add(device.address)
 
     def _placer(
-        self, facts: PciFacts, pools: tuple[ConfiguredPool, ...], vhost_available: bool
+        self, facts: PciFacts, pools: tuple[ConfiguredPool[PciPoolSpec], ...], vhost_available: bool
     ) -> Callable[[PciDevice], tuple[str, DeviceInfo] | None]:
         ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
 
@@ -178,7 +178,7 @@ class PoolBuilder:
 
 
 def _device_info(
-    device: PciDevice, pool: ConfiguredPool, selector: PciSelector, facts: PciFacts, vhost_available: bool
+    device: PciDevice, pool: ConfiguredPool[PciPoolSpec], selector: PciSelector, facts: PciFacts, vhost_available: bool
 ) -> DeviceInfo | None:
     if device.driver == "vfio-pci" and device.iommu_group is None:
         log.warning("skipping %s in %s: bound to vfio-pci but has no iommu_group link", device.address,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict
 
 from daemon.core import ConfigError, ConfigObject
 
@@ -88,7 +89,7 @@ def entry_problem(entry: str) -> str | None:
         numbers = [_go_atoi(b) for b in bounds]
         if len(bounds) > 2 or None in numbers:
             return f"{part!r} is not an index or an A-B range"
-        if len(numbers) == 2 and numbers[0] > numbers[1]:  # type: ignore[operator]
+        if len(numbers) == 2 and numbers[0] is not None and numbers[1] is not None and numbers[0] > numbers[1]:
             return f"range {part!r} is descending and selects nothing"
     return None
 
@@ -145,9 +146,19 @@ class PciSelector:
         return True
 
 
+class _CommonFields(TypedDict):
+    """The ``PciSelector`` fields every device type reads."""
+
+    json_path: str
+    vendors: tuple[str, ...]
+    devices: tuple[str, ...]
+    drivers: tuple[str, ...]
+    pci_addresses: tuple[str, ...]
+
+
 def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
     """Read one selector object; fields that ``device_type`` does not use are ignored, as upstream."""
-    common = {
+    common: _CommonFields = {
         "json_path": selector.json_path,
         "vendors": selector.string_list("vendors"),
         "devices": selector.string_list("devices"),
@@ -155,8 +166,9 @@ def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
         "pci_addresses": selector.string_list("pciAddresses"),
     }
     if device_type == PCI_DEVICE:
+        pci_common: _CommonFields = {**common, "drivers": common["drivers"] or PCI_DEVICE_DEFAULT_DRIVERS}
         parsed = PciSelector(
-            **{**common, "drivers": common["drivers"] or PCI_DEVICE_DEFAULT_DRIVERS},
+            **pci_common,
             classes=parse_classes(selector),
             pf_names=selector.string_list("pfNames"),
             root_devices=selector.string_list("rootDevices"),
