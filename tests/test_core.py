@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 import pytest
 
+from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon.core import (
     HEALTHY,
     UNHEALTHY,
@@ -18,7 +19,7 @@ from daemon.core import (
     ResourcePool,
     default_allocation,
 )
-from daemon.deviceplugin import Backoff
+from daemon.deviceplugin import Backoff, ListingMessages, device_message
 
 
 def pool(resource: str, devices: dict[str, DeviceInfo]) -> ResourcePool:
@@ -140,3 +141,15 @@ def test_backoff_starts_at_its_first_delay_doubles_up_to_its_maximum_and_resets(
     assert [backoff.next_delay() for _ in range(5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
     backoff.reset()
     assert backoff.next_delay() == 0.5
+
+
+def test_listandwatch_messages_from_kept_encodings_equal_messages_built_field_by_field():
+    long_id = "x" * 200  # a Device of over 127 bytes: a two-byte length
+    devices = {"a": DeviceInfo(numa_nodes=(0, 1)), "b": DeviceInfo(health=UNHEALTHY), long_id: DeviceInfo()}
+    messages = ListingMessages()
+    for _ in range(2):  # the second list reuses the kept encodings
+        built = messages.response(pool("a/x", devices))
+        expected = dp.ListAndWatchResponse(devices=[device_message(i, h, n) for i, h, n in pool("a/x", devices).listing])
+        assert built == expected and built.SerializeToString() == expected.SerializeToString()
+        devices["c"] = DeviceInfo()
+    assert messages.response(None) == dp.ListAndWatchResponse()

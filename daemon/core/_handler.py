@@ -169,7 +169,34 @@ def tell_lifecycle(handlers: Mapping[str, AnyHandler], pools: Sequence[Configure
             log.exception("handler %s failed on pools %s", name, "started" if started else "stopped")
 
 
-def allocate_container(handler: AnyHandler, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
+@dataclass(frozen=True)
+class Hooks:
+    """A handler and the optional protocols it implements, looked up once: ``isinstance`` on a
+    runtime-checkable protocol walks the protocol's members on every call (7-15 µs each on
+    Python 3.11), and every Allocate and every new tree would ask again."""
+
+    handler: AnyHandler
+    allocator: Allocator | None = None
+    post_allocator: PostAllocator | None = None
+    preferred: PreferredAllocator | None = None
+    pre_starter: ContainerPreStarter | None = None
+
+    @classmethod
+    def of(cls, handler: AnyHandler) -> Hooks:
+        return cls(
+            handler,
+            allocator=handler if isinstance(handler, Allocator) else None,
+            post_allocator=handler if isinstance(handler, PostAllocator) else None,
+            preferred=handler if isinstance(handler, PreferredAllocator) else None,
+            pre_starter=handler if isinstance(handler, ContainerPreStarter) else None,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.handler.name
+
+
+def allocate_container(hooks: Hooks, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
     """The handler's answer (its Allocator, else the default), then its PostAllocator.
 
     Raises AllocationError (the handler's refusal), OSError (the host failed it) or HandlerFailed.
@@ -177,19 +204,19 @@ def allocate_container(handler: AnyHandler, pool: ResourcePool, device_ids: Sequ
     hook = "allocate"
     try:
         allocation: ContainerAllocation | None = None
-        if isinstance(handler, Allocator):
+        if hooks.allocator is not None:
             try:
-                allocation = handler.allocate(pool, device_ids)
+                allocation = hooks.allocator.allocate(pool, device_ids)
             except UseDefault:
                 allocation = None
         if allocation is None:
             allocation = default_allocation(pool, device_ids)
-        if isinstance(handler, PostAllocator):
+        if hooks.post_allocator is not None:
             hook = "post_allocate"
-            allocation = handler.post_allocate(pool, device_ids, allocation)
+            allocation = hooks.post_allocator.post_allocate(pool, device_ids, allocation)
     except (AllocationError, OSError):
         raise
     except Exception as error:
-        raise HandlerFailed(f"handler {handler.name} failed in {hook} for {pool.resource}: "
+        raise HandlerFailed(f"handler {hooks.name} failed in {hook} for {pool.resource}: "
                             f"{type(error).__name__}: {error}") from error
     return allocation

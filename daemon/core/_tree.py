@@ -39,7 +39,7 @@ class Mount:
     read_only: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DeviceInfo:
     """Everything the daemon says about one device of one resource.
 

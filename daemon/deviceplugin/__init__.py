@@ -10,14 +10,16 @@ GetPreferredAllocation and PreStartContainer from the current tree.
 from ._endpoint import Backoff, ResourceEndpoint, socket_file_name
 from ._endpoints import Endpoints
 from ._registration import API_VERSION
-from ._servicer import DevicePluginServicer, request_problem
+from ._servicer import DevicePluginServicer, ListingMessages, device_message, request_problem
 
 __all__ = [
     "API_VERSION",
     "Backoff",
     "DevicePluginServicer",
     "Endpoints",
+    "ListingMessages",
     "ResourceEndpoint",
+    "device_message",
     "request_problem",
     "socket_file_name",
 ]

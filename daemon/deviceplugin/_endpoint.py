@@ -27,7 +27,7 @@ import trio
 from trio_asyncio import aio_as_trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
-from daemon.core import AnyHandler, Notifier, ResourcePool
+from daemon.core import AnyHandler, Hooks, Notifier, ResourcePool
 from daemon.settings import Settings
 from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
 
@@ -109,7 +109,7 @@ class ResourceEndpoint:
         self._on_change = on_change
         self.resource = resource
         self.handler_name = handler_name
-        self._handler = handler
+        self._hooks = Hooks.of(handler)
         self._notifier = notifier
         self._settings = settings
         self._mode = mode
@@ -166,7 +166,7 @@ class ResourceEndpoint:
             socket_path = self._next_socket_path()
             self.kick.clear()
             servicer = DevicePluginServicer(
-                self.resource, self._handler, self._notifier, self._settings.cdi_in_allocate
+                self.resource, self._hooks, self._notifier, self._settings.cdi_in_allocate
             )
             registration = (
                 WatcherRegistrationServicer(self.resource, self._registration_status)

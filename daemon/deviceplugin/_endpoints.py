@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from daemon.core import AnyHandler, DeviceTree, Event, KubeletSocketCreated, Notifier, PluginSocketRemoved
+from daemon.core import AnyHandler, DeviceTree, Event, KubeletSocketCreated, Notifier, PluginSocketRemoved, TreeDiff
 from daemon.settings import Settings
 from daemon.sockets import remove_stale_sockets
 
@@ -77,13 +77,14 @@ class Endpoints:
 
     def offer(self, tree: DeviceTree) -> None:
         previous, self._tree = self._tree, tree
-        self._sync(tree)
-        for resource in tree.diff(previous).listings_changed:
+        diff = tree.diff(previous)
+        self._sync(tree, diff)
+        for resource in diff.listings_changed:
             current = self._endpoints.get(resource)
             if current is not None:
                 current[0].offer(tree.pools.get(resource))
 
-    def _sync(self, tree: DeviceTree) -> None:
+    def _sync(self, tree: DeviceTree, diff: TreeDiff) -> None:
         for resource, pool in tree.pools.items():
             current = self._endpoints.get(resource)
             if current is not None and current[0].handler_name != pool.handler:
@@ -93,7 +94,8 @@ class Endpoints:
                 current[1].cancel()
                 del self._endpoints[resource]
             if resource in self._endpoints:
-                self._endpoints[resource][0].check_options()
+                if resource in diff.resources:  # a pool that did not change has the options it had
+                    self._endpoints[resource][0].check_options()
                 continue
             if not pool.devices:
                 continue

@@ -22,13 +22,11 @@ from daemon.cdi import with_cdi_names
 from daemon.core import (
     HEALTHY,
     AllocationError,
-    AnyHandler,
     ContainerAllocation,
-    ContainerPreStarter,
     HandlerFailed,
+    Hooks,
     LatestValue,
     Notifier,
-    PreferredAllocator,
     ResourcePool,
     allocate_container,
 )
@@ -102,19 +100,33 @@ def device_message(device_id: str, health: str, numa_nodes: tuple[int, ...]) -> 
     return device
 
 
+def _framed_device(entry: tuple[str, str, tuple[int, ...]]) -> bytes:
+    """One ``Device`` as it sits in a serialized ListAndWatchResponse: field 1 (``devices``,
+    length-delimited), its length as a varint, then the message."""
+    body: bytes = device_message(*entry).SerializeToString()
+    size, prefix = len(body), bytearray(b"\x0a")
+    while size > 0x7F:
+        prefix.append(size & 0x7F | 0x80)
+        size >>= 7
+    prefix.append(size)
+    return bytes(prefix) + body
+
+
 class ListingMessages:
-    """ListAndWatch messages built from per-device messages kept between lists: one changed
-    device costs one new ``Device``, not a rebuild of hundreds (about 6x cheaper for 256)."""
+    """ListAndWatch messages built from per-device encodings kept between lists: one changed
+    device costs one new ``Device``, and the message is parsed from the joined encodings in one
+    C call instead of copying hundreds of ``Device`` messages into a repeated field (3x cheaper
+    for 4096; the same message, field by field)."""
 
     def __init__(self) -> None:
-        self._devices: dict[tuple[str, str, tuple[int, ...]], dp.Device] = {}
+        self._devices: dict[tuple[str, str, tuple[int, ...]], bytes] = {}
 
     def response(self, pool: ResourcePool | None) -> dp.ListAndWatchResponse:
         listing = pool.listing if pool is not None else ()
         known = self._devices
-        self._devices = {entry: known.get(entry) or device_message(*entry) for entry in listing}
-        return dp.ListAndWatchResponse(devices=[self._devices[entry] for entry in listing])
-
+        self._devices = {entry: known.get(entry) or _framed_device(entry) for entry in listing}
+        response: dp.ListAndWatchResponse = dp.ListAndWatchResponse.FromString(b"".join(self._devices.values()))
+        return response
 
 
 def _name_ids(ids: Sequence[str]) -> str:
@@ -162,10 +174,10 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     """DevicePlugin for one resource. Allocate reads the notifier's current tree; ListAndWatch
     streams hear of changes through ``offer``, which the resource's endpoint calls."""
 
-    def __init__(self, resource: str, handler: AnyHandler, notifier: Notifier, with_cdi: bool = False) -> None:
+    def __init__(self, resource: str, hooks: Hooks, notifier: Notifier, with_cdi: bool = False) -> None:
         self._with_cdi = with_cdi
         self.resource = resource
-        self._handler = handler
+        self._hooks = hooks
         self._notifier = notifier
         self._streams: set[StreamMailbox] = set()
         self._messages = ListingMessages()
@@ -186,14 +198,14 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     def options(self) -> dp.DevicePluginOptions:
         pool = self._pool()
         preferred = False
-        if isinstance(self._handler, PreferredAllocator) and pool is not None:
+        if self._hooks.preferred is not None and pool is not None:
             try:
-                preferred = self._handler.offers_preferred_allocation(pool)
+                preferred = self._hooks.preferred.offers_preferred_allocation(pool)
             except Exception:
                 log.exception("handler %s failed in offers_preferred_allocation for %s; not offering it",
-                              self._handler.name, self.resource, extra={"RESOURCE": self.resource})
+                              self._hooks.name, self.resource, extra={"RESOURCE": self.resource})
         return dp.DevicePluginOptions(
-            pre_start_required=isinstance(self._handler, ContainerPreStarter),
+            pre_start_required=self._hooks.pre_starter is not None,
             get_preferred_allocation_available=preferred,
         )
 
@@ -246,7 +258,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                             extra={"RESOURCE": self.resource})
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
             try:
-                allocation = allocate_container(self._handler, pool, device_ids)
+                allocation = allocate_container(self._hooks, pool, device_ids)
             except (AllocationError, OSError) as error:
                 log.error("Allocate failed for %s: %s", self.resource, error, extra={"RESOURCE": self.resource})
                 await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")
@@ -265,15 +277,14 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         context: grpc.aio.ServicerContext[dp.PreferredAllocationRequest, dp.PreferredAllocationResponse],
     ) -> dp.PreferredAllocationResponse:
         pool = self._pool()
-        handler = self._handler
-        if (not isinstance(handler, PreferredAllocator) or pool is None
-                or not self.options().get_preferred_allocation_available):
+        preferred = self._hooks.preferred
+        if preferred is None or pool is None or not self.options().get_preferred_allocation_available:
             await self._refuse(context, grpc.StatusCode.UNIMPLEMENTED,
                                f"{self.resource} does not offer GetPreferredAllocation")
         responses = []
         for container_request in request.container_requests:
             try:
-                chosen = handler.preferred_allocation(
+                chosen = preferred.preferred_allocation(
                     pool,
                     list(container_request.available_deviceIDs),
                     list(container_request.must_include_deviceIDs),
@@ -282,10 +293,10 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             except AllocationError as error:
                 await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
             except Exception as error:
-                log.exception("handler %s failed in preferred_allocation for %s", handler.name, self.resource,
+                log.exception("handler %s failed in preferred_allocation for %s", self._hooks.name, self.resource,
                               extra={"RESOURCE": self.resource})
                 await self._refuse(context, grpc.StatusCode.INTERNAL,
-                                   f"handler {handler.name} failed: {type(error).__name__}: {error}")
+                                   f"handler {self._hooks.name} failed: {type(error).__name__}: {error}")
             responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return dp.PreferredAllocationResponse(container_responses=responses)
 
@@ -295,14 +306,15 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         context: grpc.aio.ServicerContext[dp.PreStartContainerRequest, dp.PreStartContainerResponse],
     ) -> dp.PreStartContainerResponse:
         pool = self._pool()
-        if isinstance(self._handler, ContainerPreStarter) and pool is not None:
+        pre_starter = self._hooks.pre_starter
+        if pre_starter is not None and pool is not None:
             try:
-                self._handler.pre_start_container(pool, list(request.devices_ids))
+                pre_starter.pre_start_container(pool, list(request.devices_ids))
             except AllocationError as error:
                 await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
             except Exception as error:
-                log.exception("handler %s failed in pre_start_container for %s", self._handler.name,
+                log.exception("handler %s failed in pre_start_container for %s", self._hooks.name,
                               self.resource, extra={"RESOURCE": self.resource})
                 await self._refuse(context, grpc.StatusCode.INTERNAL,
-                                   f"handler {self._handler.name} failed: {type(error).__name__}: {error}")
+                                   f"handler {self._hooks.name} failed: {type(error).__name__}: {error}")
         return dp.PreStartContainerResponse()

@@ -34,9 +34,9 @@ from daemon.core import (
     AnyHandler,
     DeviceTree,
     HandlerFailed,
+    Hooks,
     LatestValue,
     Notifier,
-    PreferredAllocator,
     ResourcePool,
     allocate_container,
 )
@@ -61,7 +61,7 @@ class HostServicer(host_grpc.HostServicer):
         with_cdi: bool = True,
     ) -> None:
         self._notifier = notifier
-        self._handlers = handlers
+        self._hooks = {name: Hooks.of(handler) for name, handler in handlers.items()}
         self._leases = leases
         self._device_plugin_dir = device_plugin_dir
         self._leases_changed = leases_changed
@@ -176,14 +176,14 @@ class HostServicer(host_grpc.HostServicer):
             off_node = [i for i in free if request.numa_node not in pool.devices[i].numa_nodes]
             free = on_node + off_node
             candidates = on_node if len(on_node) >= request.count else free
-        handler = self._handlers[pool.handler]
-        if len(candidates) > request.count and isinstance(handler, PreferredAllocator):
+        hooks = self._hooks[pool.handler]
+        if len(candidates) > request.count and hooks.preferred is not None:
             try:
-                preferred = handler.preferred_allocation(pool, candidates, [], request.count) \
-                    if handler.offers_preferred_allocation(pool) else []
+                preferred = hooks.preferred.preferred_allocation(pool, candidates, [], request.count) \
+                    if hooks.preferred.offers_preferred_allocation(pool) else []
             except Exception:
                 log.exception("handler %s failed to choose devices of %s; taking them in ID order",
-                              handler.name, pool.resource, extra={"RESOURCE": pool.resource})
+                              hooks.name, pool.resource, extra={"RESOURCE": pool.resource})
                 preferred = []
             if len(preferred) == request.count and set(preferred) <= set(candidates):
                 return preferred  # the pool's allocationPolicy, as the kubelet's requests get it
@@ -198,11 +198,11 @@ class HostServicer(host_grpc.HostServicer):
             await _refuse(context, grpc.StatusCode.NOT_FOUND, f"no resource {request.resource!r}")
         if not request.owner:
             await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an owner name is required")
-        handler = self._handlers[pool.handler]
+        hooks = self._hooks[pool.handler]
         # From the choice to the reservation nothing yields: two clients never get one device.
         try:
             chosen = self._choose(pool, request)
-            allocation = allocate_container(handler, pool, chosen)
+            allocation = allocate_container(hooks, pool, chosen)
         except LeaseError as error:
             log.warning("refused lease of %s to %s: %s", request.resource, request.owner, error,
                         extra={"RESOURCE": request.resource})

@@ -28,10 +28,11 @@ UIO_DRIVERS = frozenset({"uio", "igb_uio"})
 VFIO_CONTAINER = "/dev/vfio/vfio"
 VHOST_NET = "/dev/vhost-net"
 NET_TUN = "/dev/net/tun"
+_VFIO_CONTAINER_SPEC = DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER)  # one object for every vfio device
 
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PciDetails:
     """A pool device's allocation record: the facts plus its ``_INFO`` entry and devinfo extras."""
 
@@ -45,7 +46,7 @@ def vfio_specs(device: PciDevice) -> tuple[DeviceSpec, ...]:
         return ()
     container = f"/dev/vfio/{device.iommu_group}"
     host = f"/dev/vfio/noiommu-{device.iommu_group}" if device.noiommu else container
-    return (DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER), DeviceSpec(container, host))
+    return (_VFIO_CONTAINER_SPEC, DeviceSpec(container, host))
 
 
 def first_per_host_path(specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
@@ -152,10 +153,16 @@ def devinfo_document(details: PciDetails) -> bytes:
 
 def write_devinfo_file(directory: Path, resource: str, details: PciDetails) -> None:
     """Replace the device-info file of one device (mode 0444, as the NAD client writes it)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / devinfo_file_name(resource, details.device.address)
-    path.unlink(missing_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+    path = os.path.join(directory, devinfo_file_name(resource, details.device.address))
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
+    except FileNotFoundError:  # the directory is not there (yet, or any more): make it, once
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
     try:
         os.write(descriptor, devinfo_document(details))
     finally:

@@ -18,7 +18,7 @@ from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
 
-from ._discovery import PCI_ADDRESS, PciFacts, read_devices, read_rdma_char_devices, vf_positions_of
+from ._discovery import PCI_ADDRESS, PciFacts, copy_map, read_devices, read_rdma_char_devices, vf_positions_of
 
 log = logging.getLogger("devplugd.pci")
 
@@ -89,7 +89,7 @@ def refresh_devices(facts: PciFacts, addresses: Iterable[str], sysfs_root: str, 
     extra = sorted((set(extra_positions) | extra_pfs) - wanted)
     if extra:
         read.update(read_devices(sysfs_root, proc_root, extra, {**positions, **extra_positions}))
-    devices = dict(facts.devices)
+    devices = copy_map(facts.devices)
     changed = set()
     for address, device in read.items():
         if device is None:

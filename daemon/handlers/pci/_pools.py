@@ -23,7 +23,7 @@ from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMa
 
 from ._allocation import PciDetails, device_specs_and_info
 from ._ddp import read_ddp_profile
-from ._discovery import PciDevice, PciFacts
+from ._discovery import PciDevice, PciFacts, copy_map
 from ._selectors import ACCELERATOR, PCI_DEVICE, PciSelector
 
 log = logging.getLogger("devplugd.pci")
@@ -132,7 +132,7 @@ class PoolBuilder:
 
         def pool_for_edit(resource: str) -> dict[str, DeviceInfo]:
             if resource not in touched:
-                touched[resource] = dict(built.devices[resource])
+                touched[resource] = copy_map(built.devices[resource])
             return touched[resource]
 
         for address in affected:
