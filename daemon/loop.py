@@ -47,7 +47,7 @@ from daemon.core import (
 )
 from daemon.service import ServiceManager
 
-log = logging.getLogger("devplugd.loop")
+log = logging.getLogger("devplugd.kernel")  # logger names are in every log line: kept as they were
 
 # (facts, pools, devices) a handler's last build came from and gave
 _Built = tuple[object, tuple[ConfiguredPool[Any], ...], Mapping[str, DeviceMap]]

@@ -34,7 +34,7 @@ from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
 from ._registration import WatcherRegistrationServicer, register_with_kubelet, start_grpc_server
 from ._servicer import DevicePluginServicer
 
-log = logging.getLogger("devplugd.deviceplugin")
+log = logging.getLogger("devplugd.endpoint")
 
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0

@@ -23,7 +23,7 @@ from daemon.sockets import remove_stale_sockets
 
 from ._endpoint import ResourceEndpoint
 
-log = logging.getLogger("devplugd.deviceplugin")
+log = logging.getLogger("devplugd.plugins")
 
 
 class Endpoints:

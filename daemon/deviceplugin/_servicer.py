@@ -31,7 +31,7 @@ from daemon.core import (
     allocate_container,
 )
 
-log = logging.getLogger("devplugd.deviceplugin")
+log = logging.getLogger("devplugd.server")
 
 MAX_IDS_NAMED = 5
 # A stream sends a change at once when it has been quiet for COALESCE_QUIET. Changes that come
