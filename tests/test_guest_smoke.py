@@ -5,8 +5,7 @@ guest, run by the repo's venv from the read-only host root, creates every VF wit
 checks the sysfs links and one IOMMU group per VF, binds a VF to vfio-pci the way the doc says
 works (``driver_override`` + ``drivers_probe``), checks ``/dev/vfio/<group>``, imports the
 project, grpc, trio and pyudev (whose libudev is loaded through ctypes), and writes what it saw
-to the share as JSON; the assertions are made here, on the host. pyroute2 is left out to keep the
-test short (pure Python, but ~6 s to import under TCG; the daemon scenarios import it anyway).
+to the share as JSON; the assertions are made here, on the host.
 Needs root, QEMU and the image build tools (.ci/run installs them); a missing one fails the test.
 """
 

@@ -225,3 +225,35 @@ async def test_bridge_port_messages_are_not_link_events(
     events = await driver.events_until(changed("dpy"))
     assert None not in changes_for(events, "dpa")
     assert "skipped" not in driver.log
+
+
+DUMP_BOTH_WAYS = """
+import json, select
+from pyroute2 import IPRoute
+from daemon.sources._rtnetlink import RTM_NEWLINK, NLMSG_DONE, Message, dump_request, open_socket, parse_datagram
+
+ours, sock = [], open_socket()
+sock.send(dump_request(1))
+while not any(m.type == NLMSG_DONE for m in ours if isinstance(m, Message)):
+    select.select([sock], [], [], 5)
+    ours += list(parse_datagram(sock.recv(65536)))
+links = [[m.ifindex, m.ifname, m.ifflags] for m in ours if isinstance(m, Message) and m.type == RTM_NEWLINK]
+with IPRoute() as ipr:
+    theirs = [[m["index"], m.get_attr("IFLA_IFNAME"), m["flags"]] for m in ipr.get_links()]
+print(json.dumps({"ours": links, "pyroute2": theirs, "malformed": [m.reason for m in ours if not isinstance(m, Message)]}))
+"""
+
+
+async def test_our_framing_of_a_real_link_dump_agrees_with_pyroute2s_full_decoder(netns):
+    await add_veth(netns, "dpa0", "dpb0")
+    await add_veth(netns, "dp-long-name15", "dp.peer")  # 15 characters, and a dot
+    await ip(netns, "link", "set", "dpa0", "up")
+    await ip(netns, "link", "set", "dpb0", "up")
+    await ip(netns, "link", "add", "dpbr0", "type", "bridge")
+    await ip(netns, "link", "set", "dpb0", "master", "dpbr0")  # the bridge's AF_BRIDGE messages too
+    result = await trio.run_process(["ip", "netns", "exec", netns, sys.executable, "-c", DUMP_BOTH_WAYS],
+                                    capture_stdout=True, cwd=REPO_ROOT)
+    dumped = json.loads(result.stdout)
+    assert dumped["malformed"] == []
+    assert sorted(dumped["ours"]) == sorted(dumped["pyroute2"])
+    assert {name for _, name, _ in dumped["ours"]} == {"lo", "dpa0", "dpb0", "dp-long-name15", "dp.peer", "dpbr0"}

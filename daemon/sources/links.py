@@ -14,18 +14,10 @@ group; this source turns that into bus events:
 The task sleeps in ``trio.lowlevel.wait_readable`` on the non-blocking socket and wakes only when
 the kernel sent something; it then drains the socket until it would block. No thread, no timer.
 
-Why pyroute2 is used the way it is: pyroute2 0.9.7's ``IPRSocket`` is a synchronous wrapper around
-a plain ``socket.socket`` (its ``socket`` attribute), kept out of asyncio; its ``get()`` is one
-``recv`` followed by a full parse of every attribute of every message (~240 µs per ``RTM_NEWLINK``
-of a veth here: 40-odd attribute objects built per message). ``IPRSocket`` itself has no
-``setblocking`` (it forwards only some socket methods: ``AttributeError``), so the non-blocking
-mode is set on that underlying socket; a socket left blocking waits in ``get()`` for as long as
-no link changes. We keep its socket (creation, bind, ``put`` of the dump request, close) and its
-marshal, but register for ``RTM_NEWLINK``/``RTM_DELLINK`` a subclass of its ``ifinfmsg`` that
-decodes the netlink header and the ``ifinfomsg`` fields with pyroute2's own code and picks
-``IFLA_IFNAME`` out of the attribute chain without decoding the rest (~21 µs per message,
-measured on a 101-link dump). A dump of a host with thousands of VF netdevs then costs tens of
-milliseconds of the daemon's only thread, not a second.
+The socket and the framing of its messages are in ``_rtnetlink.py`` (why not pyroute2 is said
+there): a link message is decoded down to its ifindex, its flags and ``IFLA_IFNAME``, the rest of
+its attribute chain is not looked at, so a dump of a host with thousands of VF netdevs costs
+milliseconds of the daemon's only thread.
 
 When the receive buffer overflowed, ``recv`` fails once with ``ENOBUFS``: messages were lost, so
 the source logs a warning and dumps again (after the dump in progress, if any, has ended), then
@@ -40,71 +32,38 @@ from __future__ import annotations
 
 import errno
 import logging
-import socket
-import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 import trio
-from pyroute2 import IPRSocket
-from pyroute2.netlink import (
-    NLA_F_NESTED,
-    NLA_F_NET_BYTEORDER,
-    NLM_F_DUMP,
-    NLM_F_DUMP_INTR,
-    NLM_F_REQUEST,
-    NLMSG_DONE,
-    NLMSG_ERROR,
-)
-from pyroute2.netlink.marshal import Marshal
-from pyroute2.netlink.rtnl import RTM_DELLINK, RTM_GETLINK, RTM_NEWLINK, RTMGRP_LINK
-from pyroute2.netlink.rtnl.ifinfmsg import IFF_LOWER_UP, IFF_UP, ifinfmsg
 
 from daemon.core import Event, LinkChanged, LinkSnapshot, LinkState
 from daemon.sources._netlink import raise_receive_buffer
+from daemon.sources._rtnetlink import (
+    AF_UNSPEC,
+    IFF_LOWER_UP,
+    IFF_UP,
+    NLM_F_DUMP_INTR,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    RTM_DELLINK,
+    RTM_NEWLINK,
+    Malformed,
+    Message,
+    dump_request,
+    open_socket,
+    parse_datagram,
+)
 
 log = logging.getLogger("devplugd.links")
 
 SendChannel = trio.MemorySendChannel[Event]
 
-AF_UNSPEC = 0
 RECEIVE_BUFFER_BYTES = 4 * 1024 * 1024
 # A dump datagram is at most 32 KiB (the kernel caps its dump buffers there); notifications are
 # smaller. A bigger buffer costs nothing and no datagram is ever truncated.
 MAX_DATAGRAM_BYTES = 64 * 1024
-NLA_TYPE_MASK = ~(NLA_F_NESTED | NLA_F_NET_BYTEORDER) & 0xFFFF
-IFLA_IFNAME = [name for name, _ in ifinfmsg.nla_map].index("IFLA_IFNAME")
-_NLA_HEADER = struct.Struct("=HH")
-
-
-# pyroute2 has no types (none on PyPI either), so ifinfmsg is Any to mypy and subclassing it
-# is disallow_subclassing_any's [misc] error; nothing short of writing pyroute2 stubs avoids it.
-class _LinkHeaderMsg(ifinfmsg):  # type: ignore[misc]
-    """An ``ifinfmsg`` that decodes its header, its fields and ``IFLA_IFNAME``, nothing else.
-
-    pyroute2 calls ``decode_nlas`` from ``decode`` once the fixed part is read; instead of
-    building an object for each of the ~40 attributes, walk the chain and keep only the name,
-    so ``msg.get_attr("IFLA_IFNAME")`` works as usual. A broken chain leaves the name missing
-    (the caller logs and skips the message): this never raises, so pyroute2 logs nothing.
-    """
-
-    def decode_nlas(self, offset: int) -> None:
-        data = self.data
-        end = min(self.offset + self.length, len(data))
-        while offset + 4 <= end:
-            length, nla_type = _NLA_HEADER.unpack_from(data, offset)
-            if length < 4 or offset + length > end:
-                return
-            if nla_type & NLA_TYPE_MASK == IFLA_IFNAME:
-                raw = data[offset + 4 : offset + length].split(b"\0", 1)[0]
-                try:
-                    self["attrs"].append(("IFLA_IFNAME", raw.decode()))
-                except UnicodeDecodeError:
-                    pass
-                return
-            offset += (length + 3) & ~3
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,32 +186,24 @@ class LinkSource:
 
 
 class _Netlink:
-    """pyroute2's ``IPRSocket`` on ``RTMGRP_LINK``, non-blocking, with the cheap link decoder.
-
-    ``IPRSocket`` keeps the socket out of asyncio: its ``socket`` is a plain ``socket.socket``
-    that we read ourselves (``get()`` would be the same ``recv`` plus a full parse).
-    """
+    """The rtnetlink socket on ``RTMGRP_LINK``, non-blocking, with a receive buffer for bursts."""
 
     def __init__(self, receive_buffer: int) -> None:
-        self._iprsocket = IPRSocket(rcvbuf=receive_buffer)
+        self._socket = open_socket()
         try:
-            self._iprsocket.bind(groups=RTMGRP_LINK)
-            self._socket: socket.socket = self._iprsocket.socket
-            self._socket.setblocking(False)
             raise_receive_buffer(self._socket, receive_buffer)
-            _link_policy_only(self._iprsocket.marshal)
         except BaseException:
-            self._iprsocket.close()
+            self._socket.close()
             raise
 
     def fileno(self) -> int:
         return self._socket.fileno()
 
     def close(self) -> None:
-        self._iprsocket.close()
+        self._socket.close()
 
     def request_dump(self, seq: int) -> None:
-        self._iprsocket.put(ifinfmsg(), msg_type=RTM_GETLINK, msg_flags=NLM_F_REQUEST | NLM_F_DUMP, msg_seq=seq)
+        self._socket.send(dump_request(seq))
 
     def receive(self) -> tuple[bytes, int] | None:
         """One datagram and its sender's port (0: the kernel), or ``None`` when none is waiting.
@@ -264,38 +215,6 @@ class _Netlink:
         except BlockingIOError:
             return None
         return data, sender
-
-    def parse(self, data: bytes) -> Iterator[Any]:
-        return _parse_datagram(self._iprsocket.marshal, data)
-
-
-def _parse_datagram(marshal: Marshal, data: bytes) -> Iterator[Any]:
-    """pyroute2's marshal over one datagram; what it cannot frame costs one log line.
-
-    The marshal turns a message whose attributes do not decode into one with
-    ``header["error"]`` set, raises ``struct.error`` for a fixed part cut short, and silently
-    stops at a message longer than the datagram: the bytes it did not account for tell.
-    """
-    framed = 0
-    try:
-        for msg in marshal.parse(data):
-            framed += msg["header"].get("length") or 0
-            yield msg
-    except struct.error as exc:
-        _log_skipped(f"undecodable message in a {len(data)}-byte datagram ({exc}); skipped the rest of it")
-        return
-    if framed < len(data):
-        _log_skipped(f"{len(data) - framed} bytes at the end of a datagram do not frame a message")
-
-
-def _link_policy_only(marshal: Marshal) -> None:
-    """Decode link messages with ``_LinkHeaderMsg``, any other type as a bare netlink header.
-
-    Only link messages are expected on ``RTMGRP_LINK``; anything else is reported and skipped,
-    and the request echoed in an ``NLMSG_ERROR`` is not decoded beyond its header.
-    """
-    marshal.msg_map.clear()
-    marshal.msg_map.update({RTM_NEWLINK: _LinkHeaderMsg, RTM_DELLINK: _LinkHeaderMsg})
 
 
 def _drain(netlink: _Netlink, tracker: _Tracker) -> list[Event]:
@@ -320,23 +239,24 @@ def _drain(netlink: _Netlink, tracker: _Tracker) -> list[Event]:
         if sender != 0:
             _log_skipped(f"datagram from port {sender}, not from the kernel")
             continue
-        for msg in netlink.parse(data):
-            events += _handle(netlink, tracker, msg)
+        for message in parse_datagram(data):
+            if isinstance(message, Malformed):
+                _log_skipped(message.reason)
+            else:
+                events += _handle(netlink, tracker, message)
 
 
-def _handle(netlink: _Netlink, tracker: _Tracker, msg: Any) -> Sequence[Event]:
-    header = msg["header"]
-    kind = header.get("type")
-    if header.get("error") is not None:
-        return _handle_error(tracker, msg)
-    if kind == NLMSG_DONE:
-        return _handle_done(netlink, tracker, header)
-    if kind not in (RTM_NEWLINK, RTM_DELLINK):
-        _log_skipped(f"unexpected message type {kind}")
+def _handle(netlink: _Netlink, tracker: _Tracker, message: Message) -> Sequence[Event]:
+    if message.type == NLMSG_ERROR:
+        return _handle_error(tracker, message)
+    if message.type == NLMSG_DONE:
+        return _handle_done(netlink, tracker, message)
+    if message.type not in (RTM_NEWLINK, RTM_DELLINK):
+        _log_skipped(f"unexpected message type {message.type}")
         return []
-    if msg["family"] != AF_UNSPEC:
+    if message.family != AF_UNSPEC:
         return []  # AF_BRIDGE port notifications: not about the interface itself
-    link = _decode_link(msg, kind)
+    link = _decode_link(message)
     if link is None:
         return []
     events = tracker.link(link)
@@ -345,43 +265,40 @@ def _handle(netlink: _Netlink, tracker: _Tracker, msg: Any) -> Sequence[Event]:
     return events
 
 
-def _handle_error(tracker: _Tracker, msg: Any) -> list[Event]:
-    header = msg["header"]
-    error = header["error"]
-    answers_dump = tracker.dump is not None and header.get("sequence_number") == tracker.dump_seq
-    if header.get("type") == NLMSG_ERROR and answers_dump:
+def _handle_error(tracker: _Tracker, message: Message) -> list[Event]:
+    answers_dump = tracker.dump is not None and message.sequence == tracker.dump_seq
+    if answers_dump and message.error:
         # The kernel refused our dump: without it there is no state to report.
-        raise OSError(getattr(error, "code", errno.EIO), f"rtnetlink link dump failed: {error}")
-    _log_skipped(f"undecodable message ({error})")
+        raise OSError(message.error, f"rtnetlink link dump failed: {errno.errorcode.get(message.error, '?')} "
+                                     f"({message.error})")
+    _log_skipped(f"an error (errno {message.error}) for a request we did not make (sequence {message.sequence})")
     return []
 
 
-def _handle_done(netlink: _Netlink, tracker: _Tracker, header: dict[str, Any]) -> list[Event]:
-    interrupted = bool(header.get("flags", 0) & NLM_F_DUMP_INTR)
-    seq = header.get("sequence_number", -1)
-    snapshot = tracker.dump_done(seq, interrupted)
+def _handle_done(netlink: _Netlink, tracker: _Tracker, message: Message) -> list[Event]:
+    interrupted = bool(message.flags & NLM_F_DUMP_INTR)
+    snapshot = tracker.dump_done(message.sequence, interrupted)
     if snapshot is not None:
         log.info("link dump: %d interfaces", len(snapshot.links), extra={"EVENT": "link-snapshot"})
         return [snapshot]
-    if tracker.dump is not None and seq == tracker.dump_seq:
+    if tracker.dump is not None and message.sequence == tracker.dump_seq:
         reason = "it was interrupted by changes" if interrupted else "messages were lost meanwhile"
         log.info("link dump incomplete (%s); dumping again", reason, extra={"EVENT": "link-redump"})
         netlink.request_dump(tracker.start_dump())
     return []
 
 
-def _decode_link(msg: Any, kind: int) -> _Link | None:
-    ifindex = msg["index"]
-    ifname = msg.get_attr("IFLA_IFNAME")
+def _decode_link(message: Message) -> _Link | None:
+    ifindex, ifname = message.ifindex, message.ifname
     if ifindex <= 0:
         _log_skipped(f"link message with ifindex {ifindex}", ifname)
         return None
-    if kind == RTM_DELLINK:
+    if message.type == RTM_DELLINK:
         return _Link(ifindex, ifname, None)
     if not ifname:
         _log_skipped(f"RTM_NEWLINK for ifindex {ifindex} without IFLA_IFNAME")
         return None
-    flags = msg["flags"]
+    flags = message.ifflags
     return _Link(ifindex, ifname, LinkState(ifindex, bool(flags & IFF_UP), bool(flags & IFF_LOWER_UP)))
 
 
