@@ -16,6 +16,7 @@ its endpoint → ``deviceplugin/_servicer.py`` sends the ListAndWatch message.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -188,6 +189,9 @@ async def _announce_ready(loop: EventLoop, endpoints: Endpoints, settings: Setti
     with trio.move_on_after(REGISTRATION_WAIT):
         while not endpoints.settled(registered=wait_for_kubelet):
             await endpoints.wait_changed()
+    # What start-up made (modules, the first tree) lives as long as the daemon: out of the
+    # collector's generations, so each collection from now on walks only what came after.
+    gc.freeze()
     service.ready()
 
 

@@ -115,9 +115,14 @@ def device_specs_and_info(
     return tuple(specs), info, rdma_device
 
 
+# Encoders are immutable once made; json.dumps with options would make one per call (every Allocate).
+_GO_MAP_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+_COMPACT_ENCODER = json.JSONEncoder(separators=(",", ":"))
+
+
 def go_json(value: Any) -> str:
     """JSON as Go's encoding/json.Marshal writes a map: sorted keys, compact, HTML-escaped."""
-    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    text = _GO_MAP_ENCODER.encode(value)
     for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
                          ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
         text = text.replace(raw, escaped)
@@ -148,7 +153,7 @@ def devinfo_document(details: PciDetails) -> bytes:
     if details.rdma_device:
         pci["rdma-device"] = details.rdma_device
     document = {"type": "pci", "version": DEVINFO_VERSION, "pci": pci}
-    return json.dumps(document, separators=(",", ":")).encode()
+    return _COMPACT_ENCODER.encode(document).encode()
 
 
 def write_devinfo_file(directory: Path, resource: str, details: PciDetails) -> None:
