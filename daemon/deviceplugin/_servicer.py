@@ -271,6 +271,15 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             responses.append(container_response(allocation))
         return dp.AllocateResponse(container_responses=responses)
 
+    def _hook_refusal(self, hook: str, error: Exception) -> tuple[grpc.StatusCode, str]:
+        """The answer to a handler hook that raised (call it in the ``except``): its refusal
+        (AllocationError) as it said it; anything else is a bug in the handler, logged."""
+        if isinstance(error, AllocationError):
+            return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+        log.exception("handler %s failed in %s for %s", self._hooks.name, hook, self.resource,
+                      extra={"RESOURCE": self.resource})
+        return grpc.StatusCode.INTERNAL, f"handler {self._hooks.name} failed in {hook}: {type(error).__name__}: {error}"
+
     async def GetPreferredAllocation(
         self,
         request: dp.PreferredAllocationRequest,
@@ -290,13 +299,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                     list(container_request.must_include_deviceIDs),
                     container_request.allocation_size,
                 )
-            except AllocationError as error:
-                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
             except Exception as error:
-                log.exception("handler %s failed in preferred_allocation for %s", self._hooks.name, self.resource,
-                              extra={"RESOURCE": self.resource})
-                await self._refuse(context, grpc.StatusCode.INTERNAL,
-                                   f"handler {self._hooks.name} failed: {type(error).__name__}: {error}")
+                await self._refuse(context, *self._hook_refusal("preferred_allocation", error))
             responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return dp.PreferredAllocationResponse(container_responses=responses)
 
@@ -310,11 +314,6 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         if pre_starter is not None and pool is not None:
             try:
                 pre_starter.pre_start_container(pool, list(request.devices_ids))
-            except AllocationError as error:
-                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
             except Exception as error:
-                log.exception("handler %s failed in pre_start_container for %s", self._hooks.name,
-                              self.resource, extra={"RESOURCE": self.resource})
-                await self._refuse(context, grpc.StatusCode.INTERNAL,
-                                   f"handler {self._hooks.name} failed: {type(error).__name__}: {error}")
+                await self._refuse(context, *self._hook_refusal("pre_start_container", error))
         return dp.PreStartContainerResponse()
