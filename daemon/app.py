@@ -20,7 +20,7 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import trio
@@ -44,7 +44,7 @@ from daemon.core import (
     parser_table,
     tell_lifecycle,
 )
-from daemon.deviceplugin import Backoff, Endpoints
+from daemon.deviceplugin import Endpoints
 from daemon.host import HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
 from daemon.service import ServiceManager, StatusReporter
@@ -52,6 +52,7 @@ from daemon.settings import Settings
 from daemon.sources.inotify import InotifySource
 from daemon.sources.links import LinkSource
 from daemon.sources.uevents import make_uevent_source
+from daemon.supervise import Backoff, keep_running
 
 log = logging.getLogger("devplugd")
 
@@ -144,7 +145,7 @@ async def _serve(
                 for consumer in (endpoints, cdi, status):
                     notifier.subscribe(consumer)
                 nursery.start_soon(endpoints.follow_kubelet, kubelet_receive)
-                nursery.start_soon(_keep_running, "the CDI writer", cdi.run)
+                nursery.start_soon(keep_running, "the CDI writer", cdi.run, Backoff(first=0.1, maximum=10.0))
                 loop = EventLoop(handlers, config, notifier, reload_config, service, leases.holders)
                 nursery.start_soon(loop.run, receive_channel)
                 host_changes.connect(lambda event: nursery.start_soon(send_channel.send, event))
@@ -165,20 +166,6 @@ async def _serve(
             tell_lifecycle(handlers, (loop.config if loop is not None else config).pools, started=False)
             cdi.remove_all()
     log.info("stopped")
-
-
-async def _keep_running(name: str, task: Callable[[], Awaitable[None]]) -> None:
-    """Run a consumer's task; one that fails is logged and started again (with backoff), so a
-    bug in one consumer never ends the daemon nor the other consumers."""
-    backoff = Backoff(first=0.1, maximum=10.0)
-    while True:
-        try:
-            await task()
-            return
-        except Exception:
-            delay = backoff.next_delay()
-            log.exception("%s failed; starting it again in %.1fs", name, delay)
-            await trio.sleep(delay)
 
 
 async def _announce_ready(loop: EventLoop, endpoints: Endpoints, settings: Settings, service: ServiceManager) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import pytest
+import trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon.core import (
@@ -19,7 +20,8 @@ from daemon.core import (
     ResourcePool,
     default_allocation,
 )
-from daemon.deviceplugin import Backoff, ListingMessages, device_message
+from daemon.deviceplugin import ListingMessages, device_message
+from daemon.supervise import Backoff, keep_running
 
 
 def pool(resource: str, devices: dict[str, DeviceInfo]) -> ResourcePool:
@@ -153,3 +155,17 @@ def test_listandwatch_messages_from_kept_encodings_equal_messages_built_field_by
         assert built == expected and built.SerializeToString() == expected.SerializeToString()
         devices["c"] = DeviceInfo()
     assert messages.response(None) == dp.ListAndWatchResponse()
+
+
+async def test_a_failing_task_is_logged_and_run_again_until_it_returns(autojump_clock, caplog):
+    runs: list[float] = []
+
+    async def flaky() -> None:
+        runs.append(trio.current_time())
+        if len(runs) < 3:
+            raise RuntimeError(f"failure {len(runs)}")
+
+    await keep_running("the flaky consumer", flaky, Backoff(first=1.0, maximum=10.0))
+    assert [later - runs[0] for later in runs] == [0.0, 1.0, 3.0]  # after 1 s, then 2 s more
+    failures = [record for record in caplog.records if "the flaky consumer failed" in record.getMessage()]
+    assert [record.exc_info[1].args[0] for record in failures] == ["failure 1", "failure 2"]

@@ -7,14 +7,13 @@ devices; each endpoint's ``DevicePluginServicer`` answers ListAndWatch, Allocate
 GetPreferredAllocation and PreStartContainer from the current tree.
 """
 
-from ._endpoint import Backoff, ResourceEndpoint, socket_file_name
+from ._endpoint import ResourceEndpoint, socket_file_name
 from ._endpoints import Endpoints
 from ._registration import API_VERSION
 from ._servicer import DevicePluginServicer, ListingMessages, device_message, request_problem
 
 __all__ = [
     "API_VERSION",
-    "Backoff",
     "DevicePluginServicer",
     "Endpoints",
     "ListingMessages",

@@ -19,7 +19,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -30,32 +29,14 @@ from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon.core import AnyHandler, Hooks, Notifier, ResourcePool
 from daemon.settings import Settings
 from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
+from daemon.supervise import Backoff
 
 from ._registration import WatcherRegistrationServicer, register_with_kubelet, start_grpc_server
 from ._servicer import DevicePluginServicer
 
 log = logging.getLogger("devplugd.endpoint")
 
-BACKOFF_FIRST = 0.1
-BACKOFF_MAX = 5.0
 STOP_GRACE = 0.2
-
-
-@dataclass
-class Backoff:
-    first: float = BACKOFF_FIRST
-    maximum: float = BACKOFF_MAX
-    _next: float = field(default=0.0, init=False)
-
-    def __post_init__(self) -> None:
-        self._next = self.first
-
-    def reset(self) -> None:
-        self._next = self.first
-
-    def next_delay(self) -> float:
-        delay, self._next = self._next, min(self._next * 2, self.maximum)
-        return delay
 
 
 def socket_file_name(resource: str, suffix: str, directory: Path) -> str:

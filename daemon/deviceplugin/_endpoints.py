@@ -20,6 +20,7 @@ import trio
 from daemon.core import AnyHandler, DeviceTree, Event, KubeletSocketCreated, Notifier, PluginSocketRemoved, TreeDiff
 from daemon.settings import Settings
 from daemon.sockets import remove_stale_sockets
+from daemon.supervise import Backoff, keep_running
 
 from ._endpoint import ResourceEndpoint
 
@@ -114,8 +115,11 @@ class Endpoints:
             self._endpoint_changed()
 
     async def _run_endpoint(self, endpoint: ResourceEndpoint, scope: trio.CancelScope) -> None:
+        """The endpoint's life; one that fails (a bug: listen and Register failures are retried
+        inside it) is logged and served again after a backoff, never ending the daemon."""
         with scope:
-            await endpoint.run()
+            await keep_running(f"the endpoint of {endpoint.resource}", endpoint.run,
+                               Backoff(first=0.5, maximum=10.0), {"RESOURCE": endpoint.resource})
 
     async def follow_kubelet(self, events: trio.MemoryReceiveChannel[Event]) -> None:
         """Pass the kubelet's restarts and socket removals to every endpoint."""
