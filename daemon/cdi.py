@@ -136,7 +136,8 @@ class CdiWriter:
             self._wakeup = trio.Event()
             full, tree = self._latest.take()
             if full and tree is not None:
-                self.update(tree)
+                # Encoding a pool of thousands of devices takes milliseconds: not on the event loop.
+                await trio.to_thread.run_sync(self.update, tree)
 
     def remove_all(self) -> None:
         """Remove every devplugd CDI spec (at start and at stop)."""
