@@ -48,8 +48,8 @@ from tests.kubelet import FakeKubelet
 VFS = 64
 RESOURCE_NAME = "alloc_pool"
 RESOURCE = f"intel.com/{RESOURCE_NAME}"
-TARGET_RATIO = 1.5
-TARGET_P99_MS = 3.0
+TARGET_RATIO = 1.15  # the daemon's own work: its p50 over the bare trio + trio-asyncio server's
+TARGET_P99_MS = 1.5
 
 
 class ClientFailure(Exception):
@@ -188,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:<26}{s['n']:>7}{s['p50']:>8.3f}ms{s['p90']:>8.3f}ms{s['p99']:>8.3f}ms{s['max']:>8.2f}ms"
               f"{s['mean']:>8.3f}ms{cpu_us:>14.0f} µs")
     d, a, t = stats["daemon"], stats["bare asyncio"], stats["bare trio+trio_asyncio"]
-    print(f"\nratio daemon p50 / bare asyncio p50     = {d['p50'] / a['p50']:.2f}x   (target <= {TARGET_RATIO}x: "
-          f"{'within' if d['p50'] / a['p50'] <= TARGET_RATIO else 'OVER'})")
+    print(f"\nratio daemon p50 / bare asyncio p50     = {d['p50'] / a['p50']:.2f}x")
     print(f"ratio bare trio p50 / bare asyncio p50  = {t['p50'] / a['p50']:.2f}x   (the trio-asyncio bridge alone)")
-    print(f"ratio daemon p50 / bare trio p50        = {d['p50'] / t['p50']:.2f}x   (the daemon's own work per call)")
+    print(f"ratio daemon p50 / bare trio p50        = {d['p50'] / t['p50']:.2f}x   (the daemon's own work per call; "
+          f"target <= {TARGET_RATIO}x: {'within' if d['p50'] / t['p50'] <= TARGET_RATIO else 'OVER'})")
     print(f"ratio daemon mean / bare asyncio mean   = {d['mean'] / a['mean']:.2f}x")
     print(f"daemon p99 = {d['p99']:.3f} ms   (target <= {TARGET_P99_MS} ms: "
           f"{'within' if d['p99'] <= TARGET_P99_MS else 'OVER'})")

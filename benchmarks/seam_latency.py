@@ -64,7 +64,7 @@ from benchmarks.cold_start import (
 )
 from tests.kubelet import FakeKubelet
 
-TARGET_P50, TARGET_P99 = 0.003, 0.010
+TARGET_P50, TARGET_P99 = 0.002, 0.010
 
 
 def main(argv: list[str] | None = None) -> int:
