@@ -181,6 +181,17 @@ class FakeHost:
         _link(directory / "iommu_group", group_dir)
         _link(group_dir / "devices" / address, directory)
 
+    def add_vfio_cdev(self, address: str, index: int, *, node: bool = True) -> None:
+        """``<function>/vfio-dev/vfio<index>`` as a kernel with IOMMUFD shows a vfio-pci function
+        (``dev`` = MAJ:MIN, the class link), with ``/dev/vfio/devices/vfio<index>`` and
+        ``/dev/iommu`` unless ``node`` is false."""
+        cdev_dir = self.device_dir(address) / "vfio-dev" / f"vfio{index}"
+        _write(cdev_dir / "dev", f"511:{index}\n")
+        _link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
+        if node:
+            self.add_dev_node(f"vfio/devices/vfio{index}")
+            self.add_dev_node("iommu")
+
     def add_uio(self, address: str, index: int) -> None:
         (self.device_dir(address) / "uio" / f"uio{index}").mkdir(parents=True, exist_ok=True)
 

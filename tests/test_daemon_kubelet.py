@@ -63,6 +63,8 @@ def test_allocate_gives_vfio_specs_envs_and_devinfo_file(host, kubelet, run_daem
             },
             separators=(",", ":"),
         ),
+        # KubeVirt's variable for vfio devices from an external provider (issue 11)
+        "PCI_RESOURCE_INTEL_COM_DPDK_A": f"{VFS[2]},{VFS[0]}",
     }
     specs = {(d.host_path, d.container_path, d.permissions) for d in container.devices}
     assert specs == {

@@ -166,8 +166,9 @@ def test_a_group_change_keeps_the_node_of_a_device_still_in_the_old_group(pci: P
     add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci"])
     host.set_iommu_group(NVME_VFS[1], 10)  # both VFs in group 10, as functions behind one bridge are
     pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
+    assert list(pool.devices) == [NVME_VFS[0]]  # one group, one device (issue 11)
     host.set_iommu_group(NVME_VFS[0], 31)
-    allocation = pci.allocate(pool, [NVME_VFS[0], NVME_VFS[1]])
+    allocation = pci.allocate(pool, [NVME_VFS[0]])
     assert allocation.specs == [VFIO, DeviceSpec("/dev/vfio/31", "/dev/vfio/31"),
                                 DeviceSpec("/dev/vfio/10", "/dev/vfio/10")]
     info = json.loads(allocation.envs["PCIDEVICE_INTEL_COM_NVME_INFO"])

@@ -36,6 +36,7 @@ from ._allocation import (
     PciDetails,
     allocation_envs,
     first_per_host_path,
+    kubevirt_env_name,
     remove_devinfo_files,
     vfio_specs,
     with_vfio_binding,
@@ -56,7 +57,8 @@ log = logging.getLogger("devplugd.pci")
 class PciHandler:
     name: ClassVar[str] = "pci"
     device_types: ClassVar[frozenset[str]] = frozenset({NET_DEVICE, ACCELERATOR, PCI_DEVICE})
-    subsystems: ClassVar[frozenset[str]] = frozenset({"pci", "net", "uio", *RDMA_SUBSYSTEMS})
+    # vfio-dev: a function's own VFIO node (IOMMUFD) appearing after its vfio-pci bind
+    subsystems: ClassVar[frozenset[str]] = frozenset({"pci", "net", "uio", "vfio-dev", *RDMA_SUBSYSTEMS})
     wants_links: ClassVar[bool] = True
 
     def __init__(self, context: HandlerContext) -> None:
@@ -100,21 +102,30 @@ class PciHandler:
         self, pool: ResourcePool, device_ids: Sequence[str], allocation: ContainerAllocation
     ) -> ContainerAllocation:
         entry: PoolEntry = pool.pool_config.entry
-        details = {device_id: pool.devices[device_id].details for device_id in device_ids}
-        current = {device_id: self._current_vfio(pool.resource, record)
-                   for device_id, record in details.items() if record.device.driver == VFIO_DRIVER}
-        reread = {device_id for device_id, record in current.items() if record is not details[device_id]}
+        # every function handed out, by address: a device's own first, then its group's others
+        functions: dict[str, PciDetails] = {}
+        owner: dict[str, str] = {}  # function address -> the device ID it is handed out under
+        for device_id in device_ids:
+            for record in pool.devices[device_id].details.functions:
+                functions[record.device.address] = record
+                owner[record.device.address] = device_id
+        current = {address: self._current_vfio(pool.resource, record)
+                   for address, record in functions.items() if record.device.driver == VFIO_DRIVER}
+        reread = {address for address, record in current.items() if record is not functions[address]}
         if reread:
-            stale_specs = {spec for record in details.values() for spec in vfio_specs(record.device)}
-            details.update(current)
-            fresh_specs = [spec for device_id in device_ids for spec in vfio_specs(details[device_id].device)]
+            stale_specs = {spec for record in functions.values() for spec in vfio_specs(record.device)}
+            functions.update(current)
+            fresh_specs = [spec for record in functions.values() for spec in vfio_specs(record.device)]
             kept = [spec for spec in allocation.specs if spec not in stale_specs]
             allocation.specs[:] = first_per_host_path(fresh_specs + kept)
-            allocation.reread |= reread
-        allocation.envs.update(allocation_envs(entry.resource_prefix, entry.resource_name, device_ids, details))
+            allocation.reread |= {owner[address] for address in reread}
+        addresses = list(functions)
+        allocation.envs.update(allocation_envs(entry.resource_prefix, entry.resource_name, addresses, functions))
+        if entry.device_type == PCI_DEVICE or all(r.device.driver == VFIO_DRIVER for r in functions.values()):
+            allocation.envs[kubevirt_env_name(pool.resource)] = ",".join(addresses)
         if entry.device_type == NET_DEVICE:
-            for device_id in device_ids:
-                write_devinfo_file(self._context.devinfo_dir, pool.resource, details[device_id])
+            for record in functions.values():
+                write_devinfo_file(self._context.devinfo_dir, pool.resource, record)
         return allocation
 
     def _current_vfio(self, resource: str, details: PciDetails) -> PciDetails:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -22,23 +23,35 @@ from daemon.core import DeviceSpec
 
 from ._discovery import PCI_ADDRESS, PciDevice, VfioBinding
 
+log = logging.getLogger("devplugd.pci")
+
 DEVINFO_VERSION = "1.1.0"
 VFIO_DRIVER = "vfio-pci"
 UIO_DRIVERS = frozenset({"uio", "igb_uio"})
 VFIO_CONTAINER = "/dev/vfio/vfio"
 VHOST_NET = "/dev/vhost-net"
 NET_TUN = "/dev/net/tun"
+IOMMU_NODE = "/dev/iommu"
 _VFIO_CONTAINER_SPEC = DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER)  # one object for every vfio device
 
 
 
 @dataclass(frozen=True, slots=True)
 class PciDetails:
-    """A pool device's allocation record: the facts plus its ``_INFO`` entry and devinfo extras."""
+    """A pool device's allocation record: the facts plus its ``_INFO`` entry and devinfo extras.
+
+    A device that is an IOMMU group of several functions (see ``_groups.py``) is the record of
+    its lowest function, with the others' records in ``members``."""
 
     device: PciDevice
     info: Mapping[str, Mapping[str, str]]
     rdma_device: str | None
+    members: tuple[PciDetails, ...] = ()
+
+    @property
+    def functions(self) -> tuple[PciDetails, ...]:
+        """Every function handed out with this device: itself, then its group's others."""
+        return (self, *self.members) if self.members else (self,)
 
 
 def vfio_specs(device: PciDevice) -> tuple[DeviceSpec, ...]:
@@ -47,6 +60,21 @@ def vfio_specs(device: PciDevice) -> tuple[DeviceSpec, ...]:
     container = f"/dev/vfio/{device.iommu_group}"
     host = f"/dev/vfio/noiommu-{device.iommu_group}" if device.noiommu else container
     return (_VFIO_CONTAINER_SPEC, DeviceSpec(container, host))
+
+
+def iommufd_specs(device: PciDevice, dev_root: str, resource: str) -> tuple[DeviceSpec, ...]:
+    """The device's own VFIO node and ``/dev/iommu``, for IOMMUFD users (KubeVirt, Kata), when
+    the kernel made them (``vfio-dev/vfioN`` in sysfs); a node that is missing is logged and left
+    out, the group node still works."""
+    specs: list[DeviceSpec] = []
+    for node in (f"/dev/vfio/devices/{device.vfio_cdev}", IOMMU_NODE):
+        if os.path.exists(dev_root + node[len("/dev"):]):
+            specs.append(DeviceSpec(node, node))
+        else:
+            log.warning("%s has %s/vfio-dev/%s but %s is missing; handing out its group node only",
+                        device.address, device.address, device.vfio_cdev, node,
+                        extra={"PCI_ADDR": device.address, "RESOURCE": resource})
+    return tuple(specs) if len(specs) == 2 else ()
 
 
 def first_per_host_path(specs: Sequence[DeviceSpec]) -> list[DeviceSpec]:
@@ -132,6 +160,12 @@ def go_json(value: Any) -> str:
 def env_name(prefix: str, resource_name: str) -> str:
     """``PCIDEVICE_<prefix>_<name>`` with only ``.`` replaced by ``_``, upper-cased (dashes kept)."""
     return f"PCIDEVICE_{prefix}_{resource_name}".replace(".", "_").upper()
+
+
+def kubevirt_env_name(resource: str) -> str:
+    """``PCI_RESOURCE_<RESOURCE>``, the variable KubeVirt's host-device support reads for an
+    external resource provider: the resource name upper-cased, ``/`` and ``.`` made ``_``."""
+    return "PCI_RESOURCE_" + resource.upper().replace("/", "_").replace(".", "_")
 
 
 def allocation_envs(

@@ -53,6 +53,7 @@ class PciDevice:
     uio_devices: tuple[str, ...]
     rdma_devices: tuple[str, ...]
     has_default_route: bool
+    vfio_cdev: str | None = None  # "vfioN" of ``vfio-dev/vfioN``: the device's own VFIO node (IOMMUFD)
 
     @property
     def netdev(self) -> str | None:
@@ -252,6 +253,7 @@ def read_device(
         uio_devices=tuple(list_dir(f"{device_dir}/uio")) if "uio" in entries else (),
         rdma_devices=tuple(list_dir(f"{device_dir}/infiniband")) if "infiniband" in entries else (),
         has_default_route=any(name in default_route_ifaces for name in netdevs),
+        vfio_cdev=next(iter(list_dir(f"{device_dir}/vfio-dev")), None) if "vfio-dev" in entries else None,
     )
 
 

@@ -21,9 +21,10 @@ from types import MappingProxyType
 
 from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, LinkState
 
-from ._allocation import PciDetails, device_specs_and_info
+from ._allocation import PciDetails, device_specs_and_info, iommufd_specs
 from ._ddp import read_ddp_profile
 from ._discovery import PciDevice, PciFacts, copy_map
+from ._groups import apply_groups, group_index
 from ._selectors import ACCELERATOR, PCI_DEVICE, PciSelector
 
 log = logging.getLogger("devplugd.pci")
@@ -79,8 +80,13 @@ class _Built:
     token: int
     vhost_available: bool
     placed: dict[str, str] = field(default_factory=dict)  # address -> resource
-    devices: dict[str, Mapping[str, DeviceInfo]] = field(default_factory=dict)  # resource -> devices
+    functions: dict[str, Mapping[str, DeviceInfo]] = field(default_factory=dict)  # resource -> one per function
+    devices: dict[str, Mapping[str, DeviceInfo]] = field(default_factory=dict)  # resource -> devices offered
     link_users: dict[str, set[str]] = field(default_factory=dict)  # ifname -> addresses
+    groups: dict[str, set[str]] = field(default_factory=dict)  # IOMMU group -> addresses
+    group_of: dict[str, str] = field(default_factory=dict)  # address -> IOMMU group
+    shared_groups: set[str] = field(default_factory=set)  # the groups of several functions
+    grouped: set[str] = field(default_factory=set)  # resources whose devices are not their functions
 
 
 class PoolBuilder:
@@ -107,7 +113,7 @@ class PoolBuilder:
             affected = set(addresses)
             for ifname in links:
                 affected |= last.link_users.get(ifname, set())
-            self._patch(last, facts, affected)
+            self._patch(last, facts, self._with_group_members(last, facts, affected))
             last.token = facts.token
         self._last = last
         return dict(last.devices)
@@ -123,8 +129,53 @@ class PoolBuilder:
                 resource, info = placed
                 built.placed[device.address] = resource
                 fresh[resource][device.address] = info
-        built.devices = {resource: MappingProxyType(devices) for resource, devices in fresh.items()}
+        built.functions = {resource: MappingProxyType(devices) for resource, devices in fresh.items()}
+        built.groups = group_index(facts.devices.values())
+        built.group_of = {address: group for group, members in built.groups.items() for address in members}
+        built.shared_groups = {group for group, members in built.groups.items() if len(members) > 1}
+        built.devices = dict(built.functions)
+        self._apply_groups(built, facts, set(built.functions))
         return built
+
+    @staticmethod
+    def _with_group_members(built: _Built, facts: PciFacts, affected: set[str]) -> set[str]:
+        """``affected`` with every function of the groups they were and are in (a sibling's
+        driver decides whether a group is viable), the group index brought up to date."""
+        groups: set[str] = set()
+        for address in affected:
+            old_group = built.group_of.pop(address, None)
+            if old_group is not None:
+                groups.add(old_group)
+                built.groups[old_group].discard(address)
+            device = facts.devices.get(address)
+            if device is not None and device.iommu_group is not None and not device.noiommu:
+                groups.add(device.iommu_group)
+                built.groups.setdefault(device.iommu_group, set()).add(address)
+                built.group_of[address] = device.iommu_group
+        expanded = set(affected)
+        for group in groups:
+            members = built.groups.get(group, set())
+            expanded |= members
+            if not members:
+                built.groups.pop(group, None)
+            if len(members) > 1:
+                built.shared_groups.add(group)
+            else:
+                built.shared_groups.discard(group)
+        return expanded
+
+    @staticmethod
+    def _apply_groups(built: _Built, facts: PciFacts, touched: set[str]) -> None:
+        """The offered devices of ``touched`` resources (and of every resource a group of several
+        functions changes now or changed last time) from their per-function placements."""
+        shared = [built.groups[group] for group in built.shared_groups]
+        changed = apply_groups(built.functions, shared, facts.devices, built.placed)
+        for resource in touched | built.grouped | changed.keys():
+            if resource in built.functions:
+                built.devices[resource] = (
+                    MappingProxyType(changed[resource]) if resource in changed else built.functions[resource]
+                )
+        built.grouped = set(changed)
 
     def _patch(self, built: _Built, facts: PciFacts, affected: set[str]) -> None:
         place = self._placer(facts, built.pools, built.vhost_available)
@@ -132,7 +183,7 @@ class PoolBuilder:
 
         def pool_for_edit(resource: str) -> dict[str, DeviceInfo]:
             if resource not in touched:
-                touched[resource] = copy_map(built.devices[resource])
+                touched[resource] = copy_map(built.functions[resource])
             return touched[resource]
 
         for address in affected:
@@ -151,7 +202,8 @@ class PoolBuilder:
                 built.placed[address] = resource
                 pool_for_edit(resource)[address] = info
         for resource, devices in touched.items():
-            built.devices[resource] = MappingProxyType(devices)
+            built.functions[resource] = MappingProxyType(devices)
+        self._apply_groups(built, facts, set(touched))
 
     @staticmethod
     def _track_links(built: _Built, device: PciDevice) -> None:
@@ -170,7 +222,7 @@ class PoolBuilder:
                     continue
                 for selector in spec.selectors:
                     if selector.matches(device, ddp_profile):
-                        info = _device_info(device, pool, selector, facts, vhost_available)
+                        info = _device_info(device, pool, selector, facts, vhost_available, self._dev_root)
                         return None if info is None else (pool.resource, info)
             return None
 
@@ -178,7 +230,8 @@ class PoolBuilder:
 
 
 def _device_info(
-    device: PciDevice, pool: ConfiguredPool[PciPoolSpec], selector: PciSelector, facts: PciFacts, vhost_available: bool
+    device: PciDevice, pool: ConfiguredPool[PciPoolSpec], selector: PciSelector, facts: PciFacts, vhost_available: bool,
+    dev_root: str,
 ) -> DeviceInfo | None:
     if device.driver == "vfio-pci" and device.iommu_group is None:
         log.warning("skipping %s in %s: bound to vfio-pci but has no iommu_group link", device.address,
@@ -192,6 +245,8 @@ def _device_info(
         rdma_char_devices=facts.rdma_char_devices,
         additional_info=pool.entry.additional_info,
     )
+    if device.driver == "vfio-pci" and device.vfio_cdev is not None:
+        specs += iommufd_specs(device, dev_root, pool.resource)
     spec: PciPoolSpec = pool.spec
     numa = device.numa_node
     return DeviceInfo(

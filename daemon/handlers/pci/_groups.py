@@ -1,0 +1,108 @@
+"""IOMMU groups, the kernel's unit of passthrough.
+
+Only one process can open ``/dev/vfio/<group>``, and the kernel attaches a group to a container
+only when it is *viable*: every function in it bound to vfio-pci, to pci-stub or to no driver
+(PCI bridges do not count). So the functions of a group that a pool offers through vfio are one
+device, never two devices two pods could get:
+
+* a group with one function (the common SR-IOV VF) is that function's device, as it always was;
+* a group of several functions whose vfio-bound functions a pool offers is one device named by
+  the lowest PCI address among them, in the pool of that function, carrying every function: the
+  group's specs once, health Unhealthy when any function is, the NUMA nodes of them all;
+* a group that is not viable (a function bound to a host driver) is offered nowhere, until the
+  last such function is unbound or moves to vfio-pci.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+
+from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo
+
+from ._allocation import VFIO_DRIVER, PciDetails, first_per_host_path
+from ._discovery import PciDevice
+
+# drivers that leave a group viable; the kernel also lets PCI bridges keep theirs (pcieport)
+VIABLE_DRIVERS = frozenset({VFIO_DRIVER, "pci-stub"})
+BRIDGE_CLASSES = ("0604", "0609")
+
+
+def is_bridge(device: PciDevice) -> bool:
+    return device.class_code.startswith(BRIDGE_CLASSES)
+
+
+def counts_for_viability(device: PciDevice) -> bool:
+    return not is_bridge(device)
+
+
+def blocking_functions(members: Iterable[PciDevice]) -> list[PciDevice]:
+    """The functions that keep a group from being viable: bound to a host driver."""
+    return [device for device in members
+            if counts_for_viability(device) and device.driver is not None and device.driver not in VIABLE_DRIVERS]
+
+
+def passthrough_group(device: PciDevice) -> str | None:
+    """The group through which ``device`` is handed out whole, or ``None`` (not vfio-bound, or
+    a no-IOMMU group, which the kernel gives each device alone)."""
+    if device.driver != VFIO_DRIVER or device.iommu_group is None or device.noiommu:
+        return None
+    return device.iommu_group
+
+
+def group_device(functions: Sequence[tuple[str, DeviceInfo]]) -> tuple[str, DeviceInfo]:
+    """One device for the offered functions of a group (``(address, info)``, lowest first)."""
+    ordered = sorted(functions)
+    if len(ordered) == 1:
+        return ordered[0]
+    address, primary = ordered[0]
+    infos = [info for _, info in ordered]
+    details: PciDetails = primary.details
+    members = tuple(info.details for info in infos[1:])
+    return address, replace(
+        primary,
+        health=UNHEALTHY if any(info.health != HEALTHY for info in infos) else HEALTHY,
+        numa_nodes=tuple(sorted({node for info in infos for node in info.numa_nodes})),
+        specs=tuple(first_per_host_path([spec for info in infos for spec in info.specs])),
+        details=replace(details, members=members),
+    )
+
+
+def group_index(devices: Iterable[PciDevice]) -> dict[str, set[str]]:
+    """IOMMU group -> the addresses of its functions (no-IOMMU groups left out)."""
+    index: dict[str, set[str]] = {}
+    for device in devices:
+        if device.iommu_group is not None and not device.noiommu:
+            index.setdefault(device.iommu_group, set()).add(device.address)
+    return index
+
+
+def apply_groups(
+    functions: Mapping[str, Mapping[str, DeviceInfo]],
+    groups: Iterable[set[str]],
+    devices: Mapping[str, PciDevice],
+    placed: Mapping[str, str],
+) -> dict[str, dict[str, DeviceInfo]]:
+    """The pools of the resources the groups of several functions change, from the per-function
+    placements: each such group's vfio-bound functions taken out of their pools, and put back as
+    one device in the pool of the lowest of them when the group is viable. Pools no group
+    touches are not in the result."""
+    changed: dict[str, dict[str, DeviceInfo]] = {}
+
+    def pool(resource: str) -> dict[str, DeviceInfo]:
+        if resource not in changed:
+            changed[resource] = dict(functions[resource])
+        return changed[resource]
+
+    for addresses in groups:
+        if len(addresses) < 2:
+            continue
+        offered = sorted(a for a in addresses if a in placed and passthrough_group(devices[a]) is not None)
+        if not offered:
+            continue
+        members = [(address, pool(placed[address]).pop(address)) for address in offered]
+        if blocking_functions(devices[a] for a in addresses if a in devices):
+            continue
+        address, info = group_device(members)
+        pool(placed[offered[0]])[address] = info
+    return changed
