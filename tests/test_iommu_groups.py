@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from daemon.core import DeviceSpec, UEvent
+from daemon.core import AllocationError, DeviceSpec, UEvent
 from tests.fakesysfs import FakeHost
 from tests.pci import NVME_CLASS, Pci, add_nvme_pf
 
@@ -153,3 +153,15 @@ def test_a_vfio_dev_uevent_brings_the_iommufd_nodes_in(pci: Pci, host: FakeHost)
     facts = pci.handler.fold(facts, event)
     specs = pci.handler.build(facts, configured)["intel.com/nvme"][vfs[0]].specs
     assert [spec.host_path for spec in specs][2:] == ["/dev/vfio/devices/vfio0", "/dev/iommu"]
+
+
+def test_a_function_found_in_another_devices_group_at_allocate_is_refused_not_split(
+    pci: Pci, host: FakeHost
+) -> None:
+    vfs = add_nvme_pf(host, "0000:05:00.0", ["vfio-pci", "vfio-pci"])
+    pool = pci.pool(PCI_POOL)  # two one-function groups, 10 and 11: two devices
+    host.set_iommu_group(vfs[1], 10)  # since the last uevent, VF 1 joined VF 0's group
+    with pytest.raises(AllocationError, match=f"IOMMU group changed to 10, which also holds {vfs[0]}"):
+        pci.allocate(pool, [vfs[1]])
+    allocation = pci.allocate(pool, vfs)  # both at once: the whole group, its node once
+    assert allocation.specs == [VFIO, DeviceSpec("/dev/vfio/10", "/dev/vfio/10")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, ClassVar
 
@@ -29,6 +29,8 @@ from daemon.core import (
     Resync,
     SysfsError,
     UEvent,
+    list_dir,
+    read_hex_id,
 )
 
 from ._allocation import (
@@ -44,6 +46,7 @@ from ._allocation import (
 )
 from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
 from ._folding import RDMA_SUBSYSTEMS, fold_links, fold_uevent
+from ._groups import BRIDGE_CLASSES
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
@@ -112,6 +115,8 @@ class PciHandler:
         current = {address: self._current_vfio(pool.resource, record)
                    for address, record in functions.items() if record.device.driver == VFIO_DRIVER}
         reread = {address for address, record in current.items() if record is not functions[address]}
+        for address in reread:
+            self._check_group_whole(current[address], functions)
         if reread:
             stale_specs = {spec for record in functions.values() for spec in vfio_specs(record.device)}
             functions.update(current)
@@ -151,6 +156,23 @@ class PciHandler:
         self._context.host_changes.device_changed(pci_devpath(self._sysfs_root, address), "pci")
         return with_vfio_binding(details, binding)
 
+    def _check_group_whole(self, record: PciDetails, functions: Mapping[str, PciDetails]) -> None:
+        """A function found in another group than its record says: refuse the request when that
+        group now holds functions this request does not hand out (another device, perhaps another
+        pod's), so a group is never split between two allocations."""
+        group = record.device.iommu_group
+        if group is None or record.device.noiommu:
+            return
+        try:
+            members = list_dir(f"{self._sysfs_root}/kernel/iommu_groups/{group}/devices")
+        except SysfsError as error:
+            raise AllocationError(f"{record.device.address}: {error}") from error
+        others = [m for m in members if m not in functions and not _is_bridge_address(self._sysfs_root, m)]
+        if others:
+            raise AllocationError(f"{record.device.address}: its IOMMU group changed to {group}, which also holds "
+                                  f"{', '.join(others)}; not handing out part of a group (try again once the "
+                                  "pool has caught up)")
+
     # PreferredAllocator: offered only when the pool sets an allocation policy.
     def offers_preferred_allocation(self, pool: ResourcePool) -> bool:
         spec: PciPoolSpec = pool.pool_config.spec
@@ -178,9 +200,19 @@ class PciHandler:
                 remove_devinfo_files(self._context.devinfo_dir, pool.resource)
 
 
+
+def _is_bridge_address(sysfs_root: str, address: str) -> bool:
+    try:
+        class_code = read_hex_id(f"{sysfs_root}/bus/pci/devices/{address}/class", 6)
+    except SysfsError:
+        return False
+    return class_code is not None and class_code.startswith(BRIDGE_CLASSES)
+
+
 if TYPE_CHECKING:
     # mypy checks here that PciHandler keeps the handler contract and the hooks it opts into.
     _handler: type[Handler[PciFacts, PciPoolSpec]] = PciHandler
     _post_allocator: type[PostAllocator] = PciHandler
     _preferred_allocator: type[PreferredAllocator] = PciHandler
     _lifecycle: type[PoolLifecycle[PciPoolSpec]] = PciHandler
+
