@@ -28,6 +28,7 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 from daemon.cdi import with_cdi_names
+from daemon.checkpoint import kubelet_allocations
 from daemon.core import (
     HEALTHY,
     AllocationError,
@@ -42,7 +43,6 @@ from daemon.core import (
 )
 from daemon.sockets import remove_socket_file, start_unix_server
 
-from ._checkpoint import kubelet_allocations
 from ._leases import Lease, LeaseBook, LeaseError, NotEnoughFree
 
 log = logging.getLogger("devplugd.host")
