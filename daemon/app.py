@@ -146,7 +146,8 @@ async def _serve(
                     notifier.subscribe(consumer)
                 nursery.start_soon(endpoints.follow_kubelet, kubelet_receive)
                 nursery.start_soon(keep_running, "the CDI writer", cdi.run, Backoff(first=0.1, maximum=10.0))
-                loop = EventLoop(handlers, config, notifier, reload_config, service, leases.holders)
+                loop = EventLoop(handlers, config, notifier, reload_config, service, leases.holders,
+                                 settings.device_plugin_dir)
                 nursery.start_soon(loop.run, receive_channel)
                 host_changes.connect(lambda event: nursery.start_soon(send_channel.send, event))
                 host_api = HostServicer(

@@ -6,6 +6,11 @@ valid for CDI (``<vendor>/<class>``: the class may not contain dots). ``cdiVersi
 lowest that carries what is used: 0.3.0, or 0.5.0 when a device node's host path differs from
 its container path (``hostPath``). Files are written atomically and only when their content
 changes; a pool that goes away takes its file with it. Only ``devplugd-*`` files are touched.
+
+A device kept listed after it vanished (``ResourcePool.vanished``: a pod held it) is left out:
+there is nothing left to give, and a CDI name that does not resolve fails a container's creation
+at once with the name in the error, where a device node that is gone would fail it later, less
+clearly.
 """
 
 from __future__ import annotations
@@ -102,6 +107,8 @@ def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments
     env_name = cdi_env_name(pool.resource)
     fragments: _Fragments = {}
     for device_id, info in sorted(pool.devices.items()):
+        if device_id in pool.vanished:
+            continue
         cached = known.get(device_id)
         if cached is None or cached[0] is not info:
             entry, needs_host_path = _device_entry(device_id, info, env_name)
@@ -155,7 +162,7 @@ class CdiWriter:
         wanted: dict[str, bytes] = {}
         built: dict[str, tuple[ResourcePool, bytes, _Fragments]] = {}
         for pool in tree.pools.values():
-            if pool.devices:
+            if len(pool.devices) > len(pool.vanished):
                 known = self._built.get(pool.resource)
                 if known is None or known[0] is not pool:  # pools that did not change are the same object
                     content, fragments = spec_bytes(pool, known[2] if known is not None else {})

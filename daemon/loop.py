@@ -11,28 +11,45 @@ Everything waiting on the bus is handled as one batch, so a burst (256 VFs from 
 * ``ConfigChanged`` reloads the config once per batch, validated by the running handlers; on
   error the old config keeps being served;
 * ``LeasesChanged`` (a host lease granted or released) only asks for a new tree: leased devices
-  leave the kubelet's lists.
+  leave the kubelet's lists;
+* ``CheckpointChanged`` (the kubelet's checkpoint rewritten) asks for a new tree only while a
+  pool keeps a vanished device (below).
 
 Then every handler builds its pools from its facts (in a worker thread after a rescan or a
 reload, when a build is a full one), the loop assembles an immutable DeviceTree and publishes it.
 A handler hook that raises is logged with the event and keeps the handler's last good devices.
+
+A device that was in a pool of the previous tree and is gone from its handler's build (removed,
+or unbound from the driver the pool selects) leaves the pool at once, unless the kubelet's
+checkpoint shows it allocated in that pool: then it stays, its last record marked ``Unhealthy``
+(``ResourcePool.vanished``), so the pod's ``allocatedResourcesStatus`` shows the failure instead
+of the device silently disappearing; it leaves once the checkpoint no longer names it, and a
+device that comes back is the handler's fresh record again. The checkpoint is read (in a worker
+thread: with many pods it is large) only when a device is gone or kept, and again only after it
+changed; one that cannot be read keeps every such device, Unhealthy, until it can.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import trio
 
+from daemon.checkpoint import Allocations, read_allocations
 from daemon.core import (
+    UNHEALTHY,
     AnyHandler,
+    CheckpointChanged,
     ConfigChanged,
     ConfigFileError,
     ConfiguredPool,
     DaemonConfig,
+    DeviceInfo,
     DeviceMap,
     DeviceTree,
     Event,
@@ -75,6 +92,7 @@ class EventLoop:
         reload_config: Callable[[], DaemonConfig],
         service: ServiceManager | None = None,
         lease_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
+        device_plugin_dir: Path | None = None,
     ) -> None:
         self._handlers = handlers
         self._config = config
@@ -82,6 +100,9 @@ class EventLoop:
         self._reload_config = reload_config
         self._service = service or ServiceManager()
         self._lease_holders = lease_holders
+        self._device_plugin_dir = device_plugin_dir  # where the kubelet's checkpoint is; None: no kubelet
+        self._checkpoint_changes = 0  # CheckpointChanged events so far
+        self._checkpoint: tuple[int, Allocations | None] | None = None  # (changes, what it said) at the last read
         self._facts: dict[str, object] = {}
         self._built: dict[str, _Built] = {}
         self.first_tree_published = trio.Event()
@@ -139,6 +160,9 @@ class EventLoop:
                 reload_reasons.append(event.reason)
             elif isinstance(event, LeasesChanged):
                 changed = True
+            elif isinstance(event, CheckpointChanged):
+                self._checkpoint_changes += 1
+                changed |= any(pool.vanished for pool in self._notifier.tree.pools.values())
         reloaded = bool(reload_reasons) and self._reload(reload_reasons)
         return changed or reloaded, bool(rescans) or reloaded
 
@@ -224,15 +248,24 @@ class EventLoop:
         else:
             builds = self._build_all(batch)
         previous = self._notifier.tree
-        holders = self._lease_holders()
         pools: list[ResourcePool] = []
+        fresh: list[tuple[str, ConfiguredPool[Any], DeviceMap, frozenset[str]]] = []
         for name, built in builds.items():
             configured = self._config.pools_of(name)
             if built is None:
                 pools.extend(previous.pools[p.resource] for p in configured if p.resource in previous.pools)
                 continue
             for pool_config in configured:
-                pools.append(self._pool(previous, name, pool_config, built.get(pool_config.resource, {}), holders))
+                devices = built.get(pool_config.resource, {})
+                gone = _gone(previous.pools.get(pool_config.resource), name, devices)
+                fresh.append((name, pool_config, devices, gone))
+        allocations = await self._allocations() if any(gone for *_, gone in fresh) else {}
+        holders = self._lease_holders()
+        for name, pool_config, devices, gone in fresh:
+            vanished: frozenset[str] = frozenset()
+            if gone:
+                devices, vanished = _keep_allocated(previous.pools[pool_config.resource], devices, gone, allocations)
+            pools.append(self._pool(previous, name, pool_config, devices, holders, vanished))
         tree = DeviceTree.build(previous.version + 1, pools)
         self._notifier.publish(tree)
         for resource in sorted(tree.diff(previous).listings_changed):
@@ -242,16 +275,61 @@ class EventLoop:
                          extra={"RESOURCE": resource})
         self.first_tree_published.set()
 
+    async def _allocations(self) -> Allocations | None:
+        """What the kubelet's checkpoint says is allocated (``None``: it cannot be read), read
+        again only when it changed since the last read."""
+        changes = self._checkpoint_changes
+        if self._checkpoint is None or self._checkpoint[0] != changes:
+            if self._device_plugin_dir is None:
+                return {}
+            read = await trio.to_thread.run_sync(read_allocations, self._device_plugin_dir)
+            self._checkpoint = (changes, read)  # a change during the read: read again next time
+        return self._checkpoint[1]
+
     @staticmethod
     def _pool(previous: DeviceTree, handler: str, pool_config: ConfiguredPool[Any], devices: DeviceMap,
-              holders: Mapping[tuple[str, str], object]) -> ResourcePool:
+              holders: Mapping[tuple[str, str], object], vanished: frozenset[str] = frozenset()) -> ResourcePool:
         resource = pool_config.resource
         leased = frozenset(d for (r, d) in holders if r == resource and d in devices) if holders else frozenset()
         old = previous.pools.get(resource)
         if old is not None and old.pool_config is pool_config and old.leased == leased and (
-            old.devices is devices or old.devices == devices
-        ):
+            old.vanished == vanished
+        ) and (old.devices is devices or old.devices == devices):
             return old  # unchanged: keep the same object (and its cached listing)
         if not isinstance(devices, MappingProxyType):
             devices = MappingProxyType(dict(devices))  # the tree never shares a mutable map
-        return ResourcePool(resource, handler, pool_config, devices, leased)
+        return ResourcePool(resource, handler, pool_config, devices, leased, vanished)
+
+
+def _gone(old: ResourcePool | None, handler: str, devices: DeviceMap) -> frozenset[str]:
+    """The devices of the previous tree's pool (kept vanished ones too) that its handler's build
+    no longer has; none for a pool that is new or now served by another handler."""
+    if old is None or old.handler != handler or old.devices is devices:
+        return frozenset()
+    return frozenset(old.devices.keys() - devices.keys())
+
+
+def _keep_allocated(old: ResourcePool, devices: DeviceMap, gone: frozenset[str],
+                    allocations: Allocations | None) -> tuple[DeviceMap, frozenset[str]]:
+    """``devices`` with the gone devices the kubelet's checkpoint shows allocated in this pool
+    (all of them when it cannot be read) put back, ``Unhealthy``; and their IDs."""
+    resource = old.resource
+    kept = gone if allocations is None else frozenset(d for d in gone if (resource, d) in allocations)
+    for device_id in sorted(kept - old.vanished):
+        holder = allocations.get((resource, device_id)) if allocations is not None else None
+        log.warning("%s: device %s vanished while allocated (%s); listed Unhealthy until the kubelet releases it",
+                    resource, device_id, holder or "the kubelet's checkpoint cannot be read",
+                    extra={"RESOURCE": resource, "DEVICE_ID": device_id})
+    for device_id in sorted((gone & old.vanished) - kept):
+        log.info("%s: vanished device %s is no longer allocated; it leaves the list", resource, device_id,
+                 extra={"RESOURCE": resource, "DEVICE_ID": device_id})
+    if not kept:
+        return devices, frozenset()
+    merged = dict(devices)
+    for device_id in sorted(kept):
+        merged[device_id] = _unhealthy(old.devices[device_id])
+    return merged, kept
+
+
+def _unhealthy(info: DeviceInfo) -> DeviceInfo:
+    return info if info.health == UNHEALTHY else dataclasses.replace(info, health=UNHEALTHY)

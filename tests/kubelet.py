@@ -14,12 +14,15 @@ under test runs as a real process.
   then listens on a fresh ``kubelet.sock``.
 * With ``plugins_registry``, it also watches that directory like the plugin watcher: GetInfo,
   validate, connect, GetDevicePluginOptions, ListAndWatch, NotifyRegistrationStatus.
+* ``write_checkpoint`` writes ``kubelet_internal_checkpoint`` as the kubelet's file store does
+  (a temporary ``.``-file in the same directory, renamed into place): which pod holds which device.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import stat
 import threading
@@ -121,6 +124,16 @@ class FakeKubelet:
                     raise AssertionError(f"kubelet stand-in: timed out waiting for {what or predicate}; "
                                          f"resources={self.snapshot()}")
                 self._condition.wait(remaining)
+
+    def write_checkpoint(self, allocated: dict[str, list[str]], pod: str = "uid-1", container: str = "app") -> None:
+        """The checkpoint with ``allocated`` (resource -> device IDs) held by one pod's container."""
+        entries = [{"PodUID": pod, "ContainerName": container, "ResourceName": resource,
+                    "DeviceIDs": {"-1": device_ids}, "AllocResp": ""}
+                   for resource, device_ids in allocated.items() if device_ids]
+        document = {"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}}, "Checksum": 1}
+        temporary = self.device_plugin_dir / f".{CHECKPOINT}.tmp"
+        temporary.write_text(json.dumps(document))
+        temporary.rename(self.device_plugin_dir / CHECKPOINT)
 
     def snapshot(self) -> dict[str, Any]:
         return {name: {"connected": s.connected, "registrations": s.registrations, "devices": len(s.devices)}

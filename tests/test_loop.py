@@ -12,7 +12,12 @@ from typing import Any, ClassVar
 import trio
 import trio_asyncio
 
+import daemon.loop
+from daemon.checkpoint import CHECKPOINT_NAME, read_allocations
 from daemon.core import (
+    HEALTHY,
+    UNHEALTHY,
+    CheckpointChanged,
     ConfigChanged,
     ConfiguredPool,
     DaemonConfig,
@@ -104,7 +109,7 @@ async def running_loop(tmp: Path, next_config: list[str] | None = None, *, capac
         settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
         notifier = Notifier()
         notifier.subscribe(Endpoints(settings, notifier, {"counting": handler}, nursery))
-        loop = EventLoop({"counting": handler}, config, notifier, load_config)
+        loop = EventLoop({"counting": handler}, config, notifier, load_config, device_plugin_dir=tmp / "dp")
         send, receive = trio.open_memory_channel[Event](capacity)
         for event in before_start:
             send.send_nowait(event)
@@ -182,3 +187,116 @@ async def test_a_handler_failing_to_parse_a_reloaded_pool_refuses_the_reload_and
         await running.handle(ConfigChanged("test"))
         assert running.loop.reloads == 1
         assert [pool.resource for pool in running.loop.config.pools] == ["example.com/others"]
+
+
+def write_checkpoint(directory: Path, *device_ids: str, resource: str = "example.com/things") -> None:
+    """The kubelet's checkpoint with ``device_ids`` of ``resource`` allocated to one pod, written
+    as the kubelet writes it (a temporary file renamed into place)."""
+    entries = [{"PodUID": "uid-1", "ContainerName": "app", "ResourceName": resource,
+                "DeviceIDs": {"-1": list(device_ids)}, "AllocResp": ""}] if device_ids else []
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".tmp").write_text(json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}},
+                                                "Checksum": 1}))
+    (directory / ".tmp").rename(directory / CHECKPOINT_NAME)
+
+
+def health(running: Running, name: str = "things") -> dict[str, str]:
+    return {d: info.health for d, info in running.notifier.tree.pools[f"example.com/{name}"].devices.items()}
+
+
+async def test_a_device_that_vanishes_while_allocated_stays_unhealthy_until_the_checkpoint_lets_it_go(short_tmp):
+    async with running_loop(short_tmp) as running:
+        running.handler.devices = 3
+        await running.handle(Resync(None, "start"))
+        write_checkpoint(short_tmp / "dp", "d2")
+        running.handler.devices = 2
+        await running.handle(Resync("counting", "d2 removed"))
+        assert health(running) == {"d0": HEALTHY, "d1": HEALTHY, "d2": UNHEALTHY}
+        pool = running.notifier.tree.pools["example.com/things"]
+        assert pool.vanished == {"d2"} and ("d2", UNHEALTHY, ()) in pool.listing
+        write_checkpoint(short_tmp / "dp", "d1")  # the pod went; another holds d1
+        await running.handle(CheckpointChanged("test"))
+        assert health(running) == {"d0": HEALTHY, "d1": HEALTHY}
+        assert not running.notifier.tree.pools["example.com/things"].vanished
+
+
+async def test_a_device_that_vanishes_unallocated_leaves_at_once(short_tmp):
+    async with running_loop(short_tmp) as running:
+        running.handler.devices = 3
+        await running.handle(Resync(None, "start"))
+        write_checkpoint(short_tmp / "dp", "d0")
+        running.handler.devices = 2
+        await running.handle(Resync("counting", "d2 removed"))
+        assert health(running) == {"d0": HEALTHY, "d1": HEALTHY}
+
+
+async def test_a_vanished_device_that_comes_back_is_the_handlers_fresh_record(short_tmp):
+    async with running_loop(short_tmp) as running:
+        running.handler.devices = 3
+        await running.handle(Resync(None, "start"))
+        write_checkpoint(short_tmp / "dp", "d2")
+        running.handler.devices = 2
+        await running.handle(Resync("counting", "d2 removed"))
+        running.handler.devices = 3
+        await running.handle(Resync("counting", "d2 back"))
+        assert health(running) == {"d0": HEALTHY, "d1": HEALTHY, "d2": HEALTHY}
+        assert not running.notifier.tree.pools["example.com/things"].vanished
+
+
+async def test_a_checkpoint_that_cannot_be_read_keeps_vanished_devices_listed(short_tmp, caplog):
+    async with running_loop(short_tmp) as running:
+        running.handler.devices = 3
+        await running.handle(Resync(None, "start"))
+        write_checkpoint(short_tmp / "dp", "d2")
+        running.handler.devices = 2
+        await running.handle(Resync("counting", "d2 removed"))
+        (short_tmp / "dp" / CHECKPOINT_NAME).write_text("{torn")
+        await running.handle(CheckpointChanged("test"))
+        assert "cannot read the kubelet checkpoint" in caplog.text
+        assert health(running)["d2"] == UNHEALTHY  # kept as it was
+        running.handler.devices = 1
+        await running.handle(Resync("counting", "d1 removed"))  # who held d1 is unknown: kept, Unhealthy
+        assert health(running) == {"d0": HEALTHY, "d1": UNHEALTHY, "d2": UNHEALTHY}
+        write_checkpoint(short_tmp / "dp")
+        await running.handle(CheckpointChanged("test"))
+        assert health(running) == {"d0": HEALTHY}
+
+
+async def test_the_checkpoint_is_read_only_when_a_device_vanished_or_it_changed(short_tmp, monkeypatch):
+    reads: list[Path] = []
+
+    def counting_read(directory: Path):
+        reads.append(directory)
+        return read_allocations(directory)
+
+    monkeypatch.setattr(daemon.loop, "read_allocations", counting_read)
+    async with running_loop(short_tmp) as running:
+        running.handler.devices = 3
+        await running.handle(Resync(None, "start"))
+        await running.handle(Resync("counting", "nothing gone"))
+        tree = running.notifier.tree
+        await running.handle(CheckpointChanged("test"))  # nothing kept: no new tree, no read
+        assert reads == [] and running.notifier.tree is tree
+        write_checkpoint(short_tmp / "dp", "d1", "d2")
+        running.handler.devices = 2
+        await running.handle(Resync("counting", "d2 removed"))
+        running.handler.devices = 1
+        await running.handle(Resync("counting", "d1 removed"))
+        assert len(reads) == 1  # the checkpoint did not change in between
+        assert health(running) == {"d0": HEALTHY, "d1": UNHEALTHY, "d2": UNHEALTHY}
+        write_checkpoint(short_tmp / "dp", "d1")
+        await running.handle(CheckpointChanged("test"))
+        assert len(reads) == 2 and health(running) == {"d0": HEALTHY, "d1": UNHEALTHY}
+
+
+async def test_a_pool_removed_by_a_reload_takes_its_vanished_devices_with_it(short_tmp):
+    others = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted", "selectors": {}}]})
+    async with running_loop(short_tmp, [others]) as running:
+        running.handler.devices = 3
+        await running.handle(Resync(None, "start"))
+        write_checkpoint(short_tmp / "dp", "d2")
+        running.handler.devices = 2
+        await running.handle(Resync("counting", "d2 removed"))
+        await running.handle(ConfigChanged("test"))
+        assert set(running.notifier.tree.pools) == {"example.com/others"}
+        assert health(running, "others") == {"d0": HEALTHY, "d1": HEALTHY}

@@ -15,6 +15,7 @@ from ._config import (
     parse_config,
 )
 from ._events import (
+    CheckpointChanged,
     ConfigChanged,
     Event,
     KubeletSocketCreated,
@@ -64,6 +65,7 @@ __all__ = [
     "AllocationError",
     "Allocator",
     "AnyHandler",
+    "CheckpointChanged",
     "ConfigChanged",
     "ConfigError",
     "ConfigFileError",

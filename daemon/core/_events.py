@@ -98,7 +98,15 @@ class LeasesChanged:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class CheckpointChanged:
+    """The kubelet's ``kubelet_internal_checkpoint`` was written, replaced or removed: a device
+    kept listed because a pod held it when it vanished may be free now."""
+
+    path: str
+
+
 Event = (
     Resync | KubeletSocketCreated | PluginSocketRemoved | UEvent | LinkChanged | LinkSnapshot | ConfigChanged
-    | LeasesChanged
+    | LeasesChanged | CheckpointChanged
 )

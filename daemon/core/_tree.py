@@ -67,6 +67,10 @@ class ResourcePool:
 
     ``pool_config`` is the handler's parsed pool entry (opaque to the core). ``leased`` are the
     devices under a host lease: they stay in ``devices`` but the kubelet does not see them.
+    ``vanished`` are devices the handler no longer has that the kubelet's checkpoint shows
+    allocated to a pod: they stay in ``devices`` (their last record, ``Unhealthy``) so the pod's
+    ``allocatedResourcesStatus`` shows the failure, until the checkpoint lets them go. Nobody
+    can be given one (Allocate refuses Unhealthy IDs) and CDI specs leave them out.
     """
 
     resource: str
@@ -74,6 +78,7 @@ class ResourcePool:
     pool_config: ConfiguredPool[Any]
     devices: Mapping[str, DeviceInfo]
     leased: frozenset[str] = frozenset()
+    vanished: frozenset[str] = frozenset()
 
     @cached_property
     def listing(self) -> Listing:

@@ -6,7 +6,8 @@ Release and Leases; ``LeaseBook`` keeps the leases and their file; ``serve_contr
 serves it all on the control socket.
 """
 
-from ._checkpoint import kubelet_allocations
+from daemon.checkpoint import kubelet_allocations
+
 from ._leases import Lease, LeaseBook, LeaseError, NotEnoughFree
 from ._servicer import HostServicer, serve_control_socket
 

@@ -28,6 +28,7 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 from daemon.cdi import with_cdi_names
+from daemon.checkpoint import kubelet_allocations
 from daemon.core import (
     HEALTHY,
     AllocationError,
@@ -42,7 +43,6 @@ from daemon.core import (
 )
 from daemon.sockets import remove_socket_file, start_unix_server
 
-from ._checkpoint import kubelet_allocations
 from ._leases import Lease, LeaseBook, LeaseError, NotEnoughFree
 
 log = logging.getLogger("devplugd.host")
@@ -140,7 +140,8 @@ class HostServicer(host_grpc.HostServicer):
     @staticmethod
     def _lease_message(lease: Lease, tree: DeviceTree) -> host.Lease:
         pool = tree.pools.get(lease.resource)
-        return lease.to_message(missing_devices=[d for d in lease.devices if pool is None or d not in pool.devices])
+        return lease.to_message(missing_devices=[d for d in lease.devices
+                                                 if pool is None or d not in pool.devices or d in pool.vanished])
 
     # -- granting --------------------------------------------------------------------------------
     def _choose(self, pool: ResourcePool, request: host.AllocateRequest) -> list[str]:
@@ -160,6 +161,9 @@ class HostServicer(host_grpc.HostServicer):
             for device_id in chosen:
                 if device_id not in pool.devices:
                     raise LeaseError(f"device {device_id!r} is not in {pool.resource}")
+                if device_id in pool.vanished:
+                    raise LeaseError(f"device {device_id!r} of {pool.resource} is gone "
+                                     "(listed Unhealthy while the kubelet's checkpoint shows it allocated)")
                 if pool.devices[device_id].health != HEALTHY:
                     raise LeaseError(f"device {device_id!r} of {pool.resource} is {pool.devices[device_id].health}")
                 if (holder := held_by(device_id)) is not None:

@@ -6,6 +6,9 @@ One inotify instance for the whole daemon (one per resource exhausted
 * ``kubelet.sock`` created in the device-plugin directory: a kubelet (re)started (it deletes
   every socket there first, then listens again);
 * a socket removed from a directory we serve in (these two go to the device-plugin endpoints);
+* the kubelet's checkpoint (``kubelet_internal_checkpoint``, written to a temporary file and
+  renamed into place) written, replaced or removed: the event loop may drop a vanished device it
+  kept listed while a pod held it;
 * the config file written, replaced, or swapped ConfigMap-style (the ``..data`` symlink in its
   directory renamed into place): reload it.
 
@@ -22,7 +25,8 @@ import trio
 from inotify_simple import INotify
 from inotify_simple import flags as in_flags
 
-from daemon.core import ConfigChanged, Event, KubeletSocketCreated, PluginSocketRemoved
+from daemon.checkpoint import CHECKPOINT_NAME
+from daemon.core import CheckpointChanged, ConfigChanged, Event, KubeletSocketCreated, PluginSocketRemoved
 from daemon.settings import KUBELET_SOCKET_NAME
 
 log = logging.getLogger("devplugd.inotify")
@@ -32,6 +36,7 @@ DIR_MASK = (
     | in_flags.DELETE_SELF | in_flags.CLOSE_WRITE
 )
 PARENT_MASK = in_flags.CREATE | in_flags.MOVED_TO
+FILE_CHANGED = in_flags.CLOSE_WRITE | in_flags.MOVED_TO | in_flags.CREATE | in_flags.DELETE | in_flags.MOVED_FROM
 CONFIGMAP_DATA_LINK = "..data"
 
 
@@ -64,8 +69,8 @@ class InotifySource:
 
     async def run(self, send: trio.MemorySendChannel[Event],
                   kubelet_send: trio.MemorySendChannel[Event] | None = None) -> None:
-        """Send config changes on ``send`` (the bus) and the kubelet's socket events on
-        ``kubelet_send`` (to the device-plugin endpoints; the bus too when it is ``None``)."""
+        """Send config and checkpoint changes on ``send`` (the bus) and the kubelet's socket events
+        on ``kubelet_send`` (to the device-plugin endpoints; the bus too when it is ``None``)."""
         kubelet_channel = kubelet_send if kubelet_send is not None else send
         try:
             while True:
@@ -100,6 +105,10 @@ class InotifySource:
             ):
                 if raw.mask & (in_flags.CLOSE_WRITE | in_flags.MOVED_TO | in_flags.CREATE | in_flags.DELETE):
                     events.append(ConfigChanged(f"{path} changed"))
+            if directory == self._kubelet_dir and raw.name == CHECKPOINT_NAME:
+                if raw.mask & FILE_CHANGED:
+                    events.append(CheckpointChanged(str(path)))
+                continue  # not a socket of ours, nor the kubelet's
             if directory not in self._socket_dirs:
                 continue
             if raw.mask & (in_flags.CREATE | in_flags.MOVED_TO):
@@ -116,5 +125,7 @@ class InotifySource:
         self._watch(path)
         if path == self._kubelet_dir and (path / KUBELET_SOCKET_NAME).exists():
             events.append(KubeletSocketCreated(str(path / KUBELET_SOCKET_NAME)))
+        if path == self._kubelet_dir:
+            events.append(CheckpointChanged(str(path / CHECKPOINT_NAME)))
         if self._config_path is not None and path == self._config_path.parent:
             events.append(ConfigChanged(f"{path} appeared"))

@@ -1,0 +1,72 @@
+"""Reading the kubelet's checkpoint: who holds which device, and a bad file never a crash."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import trio
+
+from daemon.checkpoint import CHECKPOINT_NAME, kubelet_allocations, read_allocations
+from daemon.core import CheckpointChanged, Event
+from daemon.sources.inotify import InotifySource
+
+
+def write(directory, document) -> None:
+    text = document if isinstance(document, str) else json.dumps(document)
+    (directory / CHECKPOINT_NAME).write_text(text)
+
+
+def test_entries_of_both_formats_name_their_pod_and_container(tmp_path):
+    write(tmp_path, {"Data": {"PodDeviceEntries": [
+        {"PodUID": "u1", "ContainerName": "app", "ResourceName": "intel.com/dpdk", "DeviceIDs": {"0": ["a"], "-1": ["b"]}},
+        {"PodUID": "u2", "ContainerName": "old", "ResourceName": "intel.com/dpdk", "DeviceIDs": ["c"]},
+        {"PodUID": "u3"},  # an entry missing its fields is skipped, not fatal
+    ]}, "Checksum": 1})
+    assert read_allocations(tmp_path) == {("intel.com/dpdk", "a"): "pod u1/app", ("intel.com/dpdk", "b"): "pod u1/app",
+                                          ("intel.com/dpdk", "c"): "pod u2/old"}
+
+
+def test_no_checkpoint_means_nothing_allocated(tmp_path):
+    assert read_allocations(tmp_path) == {} and kubelet_allocations(tmp_path) == {}
+
+
+@pytest.mark.parametrize("document", ["{torn", "[]", {"Data": {}}, {"Data": {"PodDeviceEntries": 7}}])
+def test_a_checkpoint_that_cannot_be_read_is_logged_and_told_apart_from_an_empty_one(tmp_path, caplog, document):
+    write(tmp_path, document)
+    with caplog.at_level(logging.WARNING):
+        assert read_allocations(tmp_path) is None
+        assert kubelet_allocations(tmp_path) == {}  # the host API's reading: nobody known to hold anything
+    assert "cannot read the kubelet checkpoint" in caplog.text
+
+
+async def test_inotify_reports_the_checkpoint_written_as_the_kubelet_writes_it(tmp_path):
+    """Temporary file, then rename into place (the kubelet's file store): one CheckpointChanged
+    on the bus; the temporary file's own events are nothing of the loop's."""
+    plugins = tmp_path / "device-plugins"
+    plugins.mkdir()
+    source = InotifySource([plugins], plugins, None)
+    bus_send, bus = trio.open_memory_channel[Event](16)
+    kubelet_send, kubelet_events = trio.open_memory_channel[Event](16)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(source.run, bus_send, kubelet_send)
+        await trio.sleep(0)
+        (plugins / ".123456").write_text("{}")
+        os.rename(plugins / ".123456", plugins / CHECKPOINT_NAME)
+        with trio.fail_after(5):
+            assert await bus.receive() == CheckpointChanged(str(plugins / CHECKPOINT_NAME))
+        (plugins / CHECKPOINT_NAME).unlink()
+        with trio.fail_after(5):
+            assert await bus.receive() == CheckpointChanged(str(plugins / CHECKPOINT_NAME))
+        await trio.sleep(0.05)
+        with pytest.raises(trio.WouldBlock):
+            bus.receive_nowait()
+        nursery.cancel_scope.cancel()
+    while True:  # the endpoints hear of the temporary file only (a removed file there), never the checkpoint
+        try:
+            event = kubelet_events.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+        assert CHECKPOINT_NAME not in getattr(event, "path", "")
