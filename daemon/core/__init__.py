@@ -27,6 +27,8 @@ from ._events import (
     UEvent,
 )
 from ._handler import (
+    HEALTH_LOST,
+    HEALTH_RESTORED,
     Allocator,
     AnyHandler,
     ContainerPreStarter,
@@ -60,6 +62,8 @@ from ._tree import (
 
 __all__ = [
     "HEALTHY",
+    "HEALTH_LOST",
+    "HEALTH_RESTORED",
     "UNHEALTHY",
     "AllocationError",
     "Allocator",
