@@ -253,7 +253,7 @@ def _pool(healths: dict[str, str]) -> Any:
 
 
 def test_an_unhealthy_list_is_sent_at_once_and_not_hidden_by_a_healthy_one():
-    async def run() -> list[tuple[Any, float]]:
+    async def run() -> tuple[list[Any], list[float], float]:
         healthy = _pool({"a": HEALTHY, "b": HEALTHY})
         mailbox = StreamMailbox(healthy)
         last_sent = time.monotonic()  # the stream has just sent: a plain change would be held
@@ -261,17 +261,21 @@ def test_an_unhealthy_list_is_sent_at_once_and_not_hidden_by_a_healthy_one():
         unhealthy = _pool({"a": UNHEALTHY, "b": UNHEALTHY, "c": HEALTHY})
         mailbox.offer(_pool({"a": UNHEALTHY, "b": HEALTHY, "c": HEALTHY}))
         mailbox.offer(unhealthy)  # includes the first urgent one's Unhealthy device: replaces it
-        recovered = _pool({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY})
-        mailbox.offer(recovered)
-        sent = []
+        mailbox.offer(_pool({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))
+        offered = time.monotonic()
+        sent, returned = [], []
         for _ in range(2):
-            sent.append((await mailbox.next_pool(last_sent), time.monotonic() - last_sent))
+            pool = await mailbox.next_pool(last_sent)
             last_sent = time.monotonic()
-        return [(p.listing if p else None, delay) for p, delay in sent]
+            sent.append(pool.listing if pool else None)
+            returned.append(last_sent - offered)
+        return sent, returned, offered
 
-    (first, first_delay), (second, second_delay) = asyncio.run(run())
-    assert [h for _, h, _ in first] == [UNHEALTHY, UNHEALTHY, HEALTHY] and first_delay < _servicer.COALESCE_QUIET
-    assert [h for _, h, _ in second] == [HEALTHY] * 3 and second_delay >= _servicer.COALESCE_QUIET * 0.5
+    (first, second), (first_at, second_at), _ = asyncio.run(run())
+    assert [h for _, h, _ in first] == [UNHEALTHY, UNHEALTHY, HEALTHY]
+    assert first_at < _servicer.COALESCE_QUIET  # at once, although the stream had just sent
+    assert [h for _, h, _ in second] == [HEALTHY] * 3
+    assert second_at >= _servicer.COALESCE_QUIET * 0.9  # then coalesced as usual
 
 
 def test_an_urgent_list_interrupts_a_held_one():

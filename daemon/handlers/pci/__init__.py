@@ -45,7 +45,7 @@ from ._allocation import (
     write_devinfo_file,
 )
 from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
-from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, recovery_concerns
+from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
@@ -109,9 +109,9 @@ class PciHandler:
         between them, so a recovery of 0.3 ms still shows the kubelet the device Unhealthy."""
         if not isinstance(event, UEvent) or event.subsystem != "pci":
             return None
-        if event.action == "change":
-            error_event = event.properties.get("ERROR_EVENT")
-            if error_event is None or error_event not in ERROR_EVENTS:
+        if is_error_event(event):
+            error_event = event.properties["ERROR_EVENT"]
+            if error_event not in ERROR_EVENTS:
                 return None
             return HEALTH_RESTORED if ERROR_EVENTS[error_event] is None else HEALTH_LOST
         return HEALTH_RESTORED if event.action in ("bind", "remove") else None

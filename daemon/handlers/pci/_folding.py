@@ -141,6 +141,11 @@ def _child(
     )
 
 
+def is_error_event(event: UEvent) -> bool:
+    """A PCIe error recovery uevent (folded from the event alone)."""
+    return event.action == "change" and event.subsystem == "pci" and "ERROR_EVENT" in event.properties
+
+
 def _with_recovery(facts: PciFacts, address: str, state: str | None) -> PciFacts:
     if facts.recovery.get(address) == state:
         return facts
@@ -185,7 +190,7 @@ def recovery_concerns(facts: PciFacts, event: UEvent) -> bool:
     """Whether folding ``event`` reads sysfs of a function in error recovery (or of its PF or
     VFs, which a fold reads with it): such a read may wait seconds for the kernel's device
     locks, so the loop runs that fold in a worker thread."""
-    if not facts.recovery or "ERROR_EVENT" in event.properties:
+    if not facts.recovery or is_error_event(event):
         return False
     address = pci_address_of(event.devpath)
     if address is None:
@@ -194,7 +199,7 @@ def recovery_concerns(facts: PciFacts, event: UEvent) -> bool:
 
 
 def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, proc_root: str) -> PciFacts:
-    if event.action == "change" and "ERROR_EVENT" in event.properties and event.subsystem == "pci":
+    if is_error_event(event):
         address = pci_address_of(event.devpath)
         return facts if address is None else fold_error_event(facts, event, address)
     if event.subsystem in RDMA_SUBSYSTEMS:
