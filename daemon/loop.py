@@ -27,6 +27,20 @@ of the device silently disappearing; it leaves once the checkpoint no longer nam
 device that comes back is the handler's fresh record again. The checkpoint is read (in a worker
 thread: with many pods it is large) only when a device is gone or kept, and again only after it
 changed; one that cannot be read keeps every such device, Unhealthy, until it can.
+
+Two optional handler hints bend the batching above (see ``daemon.core.Handler``):
+
+* ``health_step(event)``: a batch ends before an event that may make a device Healthy again
+  (``HEALTH_RESTORED``: SUCCESSFUL_RECOVERY, a re-probe) when it already holds one that made a
+  device Unhealthy (``HEALTH_LOST``: BEGIN_RECOVERY), so the tree with the Unhealthy device is
+  published before the next batch folds the recovery: a PCIe recovery of 0.3 ms still reaches
+  every consumer. The burst of a recovery (BEGIN on every function, then SUCCESSFUL on every
+  one) stays two trees, not one per uevent;
+* ``fold_may_block(facts, event)``: that fold runs in a worker thread (a uevent of a PCI device
+  under a fatal reset, whose sysfs reads wait seconds for the kernel's device locks). The loop
+  awaits it, so events stay in order; trio, and so the kubelet's streams, Allocate and the
+  watchdog, keep running meanwhile. The check is the handler's, so the usual inline fold of a
+  few microseconds stays inline.
 """
 
 from __future__ import annotations
@@ -42,6 +56,8 @@ import trio
 
 from daemon.checkpoint import Allocations, read_allocations
 from daemon.core import (
+    HEALTH_LOST,
+    HEALTH_RESTORED,
     UNHEALTHY,
     AnyHandler,
     CheckpointChanged,
@@ -103,6 +119,14 @@ class EventLoop:
         self._device_plugin_dir = device_plugin_dir  # where the kubelet's checkpoint is; None: no kubelet
         self._checkpoint_changes = 0  # CheckpointChanged events so far
         self._checkpoint: tuple[int, Allocations | None] | None = None  # (changes, what it said) at the last read
+        # the optional hints, looked up once (see the module docstring)
+        self._may_block: dict[str, Callable[[object, Event], bool]] = {
+            name: hook for name, handler in handlers.items()
+            if (hook := getattr(handler, "fold_may_block", None)) is not None
+        }
+        self._health_steps: list[Callable[[Event], str | None]] = [
+            hook for handler in handlers.values() if (hook := getattr(handler, "health_step", None)) is not None
+        ]
         self._facts: dict[str, object] = {}
         self._built: dict[str, _Built] = {}
         self.first_tree_published = trio.Event()
@@ -115,19 +139,49 @@ class EventLoop:
         return self._config
 
     async def run(self, events: trio.MemoryReceiveChannel[Event]) -> None:
-        async for event in events:
+        carried: Event | None = None  # the event that ended the last batch early: it starts the next
+        while True:
+            if carried is None:
+                try:
+                    event = await events.receive()
+                except trio.EndOfChannel:
+                    return
+            else:  # let the consumers run once before the next tree replaces the one just published
+                await trio.lowlevel.checkpoint()
+                event, carried = carried, None
             batch = [event]
+            lost_health = self._health_step(event) == HEALTH_LOST
             while True:
                 try:
-                    batch.append(events.receive_nowait())
+                    event = events.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+                step = self._health_step(event)
+                if step == HEALTH_RESTORED and lost_health:
+                    carried = event
+                    break
+                lost_health |= step == HEALTH_LOST
+                batch.append(event)
             changed, full_build = await self._route(batch)
             if changed:
                 await self._publish(batch, in_thread=full_build)
             self.batches += 1
             self._batch_handled.set()
             self._batch_handled = trio.Event()
+
+    def _health_step(self, event: Event) -> str | None:
+        if not isinstance(event, UEvent):
+            return None
+        for hook in self._health_steps:
+            try:
+                step = hook(event)
+            except Exception:
+                log.exception("a handler failed to tell the health step of %s", describe(event),
+                              extra={"EVENT": describe(event)})
+                continue
+            if step is not None:
+                return step
+        return None
 
     async def wait_for_batches(self, count: int) -> None:
         """Until ``count`` batches of events have been handled since the loop started."""
@@ -151,7 +205,10 @@ class EventLoop:
             if isinstance(event, UEvent):
                 for name, handler in self._handlers.items():
                     if not handler.subsystems or event.subsystem in handler.subsystems:
-                        changed |= self._fold(name, event)
+                        if name in self._may_block and self._fold_may_block(name, event):
+                            changed |= await self._fold_in_thread(name, event)
+                        else:
+                            changed |= self._fold(name, event)
             elif isinstance(event, (LinkChanged, LinkSnapshot)):
                 for name, handler in self._handlers.items():
                     if getattr(handler, "wants_links", False):
@@ -186,6 +243,28 @@ class EventLoop:
             return False  # the first scan, still to come, will see what this event saw
         try:
             folded = self._handlers[name].fold(facts, event)
+        except Exception:
+            log.exception("handler %s failed on %s; keeping its last devices", name, describe(event),
+                          extra={"EVENT": describe(event)})
+            return False
+        self._facts[name] = folded
+        return folded is not facts
+
+    def _fold_may_block(self, name: str, event: Event) -> bool:
+        facts = self._facts.get(name)
+        if facts is None:
+            return False
+        try:
+            return self._may_block[name](facts, event)
+        except Exception:  # be safe: a thread costs a little, a blocked loop costs the watchdog
+            log.exception("handler %s failed to tell whether %s may block; folding it in a thread", name,
+                          describe(event), extra={"EVENT": describe(event)})
+            return True
+
+    async def _fold_in_thread(self, name: str, event: Event) -> bool:
+        facts = self._facts.get(name)
+        try:
+            folded = await trio.to_thread.run_sync(self._handlers[name].fold, facts, event)
         except Exception:
             log.exception("handler %s failed on %s; keeping its last devices", name, describe(event),
                           extra={"EVENT": describe(event)})

@@ -28,6 +28,8 @@ from ._events import (
     UEvent,
 )
 from ._handler import (
+    HEALTH_LOST,
+    HEALTH_RESTORED,
     Allocator,
     AnyHandler,
     ContainerPreStarter,
@@ -61,6 +63,8 @@ from ._tree import (
 
 __all__ = [
     "HEALTHY",
+    "HEALTH_LOST",
+    "HEALTH_RESTORED",
     "UNHEALTHY",
     "AllocationError",
     "Allocator",

@@ -8,7 +8,11 @@ It carries the contract of Intel's device plugin framework into an event-driven 
 * the optional protocols below are opt-in by implementing them: ``Allocator`` (with
   ``UseDefault`` to fall back to the core's default answer), ``PostAllocator``,
   ``PreferredAllocator``, ``ContainerPreStarter``, and ``PoolLifecycle`` for work done when pools
-  start and stop serving.
+  start and stop serving;
+* two optional hints for the event loop, looked up by name: ``fold_may_block(facts, event)``
+  (True: fold this event in a worker thread, its reads may wait on the kernel) and
+  ``health_step(event)`` (``HEALTH_LOST`` / ``HEALTH_RESTORED`` / ``None``: the loop never folds a
+  restoring event in the batch of a losing one, so every Unhealthy state gets its own tree).
 
 The core finds handlers through the ``devplugd.handlers`` entry-point group and never imports
 one by name.
@@ -60,6 +64,10 @@ class HandlerContext:
 
 
 DeviceMap = Mapping[str, DeviceInfo]
+
+# What ``health_step`` says of an event: it makes a device Unhealthy, or may make one Healthy again
+HEALTH_LOST = "lost"
+HEALTH_RESTORED = "restored"
 
 
 FactsT = TypeVar("FactsT")

@@ -25,7 +25,6 @@ from daemon.core import (
     ContainerAllocation,
     HandlerFailed,
     Hooks,
-    LatestValue,
     Notifier,
     ResourcePool,
     allocate_container,
@@ -38,7 +37,8 @@ MAX_IDS_NAMED = 5
 # sooner are held until none has come for COALESCE_QUIET (the burst is over), but never longer
 # than COALESCE_MAX_DELAY, then the newest list goes: 256 VFs created one by one over half a
 # second become a handful of lists, and the final one follows the last change within
-# COALESCE_QUIET. Timers run only while a change is waiting, never while idle.
+# COALESCE_QUIET. Timers run only while a change is waiting, never while idle. A list in which a
+# device became Unhealthy is never held nor conflated away (see StreamMailbox).
 COALESCE_QUIET = 0.025
 COALESCE_MAX_DELAY = 0.25
 
@@ -50,47 +50,85 @@ class _StreamClosed(Exception):
     pass
 
 
-class StreamMailbox:
-    """The notifier's subscriber for one ListAndWatch stream."""
+# Lists a stream holds for the kubelet at most: only lists in which a device became Unhealthy
+# pile up (each is kept until sent); a stream this far behind has a kubelet that is not reading.
+MAX_PENDING = 64
 
-    def __init__(self) -> None:
+
+def _unhealthy(pool: ResourcePool | None) -> frozenset[str]:
+    if pool is None or pool.healthy_count == len(pool.devices):  # the common case, cached: O(1)
+        return frozenset()
+    return frozenset(device_id for device_id, health, _ in pool.listing if health != HEALTHY)
+
+
+class StreamMailbox:
+    """The notifier's subscriber for one ListAndWatch stream.
+
+    Pools wait in order, and the newest replaces a waiting one (conflation), except a pool in
+    which a listed device became Unhealthy: that one is *urgent*. It is sent at once, without
+    the coalescing delay, and nothing replaces it but a newer urgent pool whose Unhealthy devices
+    include all of its own (so nothing Unhealthy is hidden). A PCIe recovery that ends 0.3 ms
+    after it began reaches the kubelet as two lists, the Unhealthy one first."""
+
+    def __init__(self, pool: ResourcePool | None = None) -> None:
         self._wakeup = asyncio.Event()
-        self._latest: LatestValue[ResourcePool | None] = LatestValue(self._wakeup.set)
+        self._pending: list[tuple[ResourcePool | None, frozenset[str] | None]] = []  # (pool, unhealthy if urgent)
+        self._last_offered = pool  # what the next pool is compared with
         self._closed = False
         self._offered_at = 0.0
 
     def offer(self, pool: ResourcePool | None) -> None:
         self._offered_at = time.monotonic()
-        self._latest.put(pool)
+        previous, self._last_offered = self._last_offered, pool
+        unhealthy = _unhealthy(pool)
+        was_healthy = {i for i, health, _ in previous.listing if health == HEALTHY} if unhealthy and previous else ()
+        urgent = unhealthy if not unhealthy.isdisjoint(was_healthy) else None
+        pending = self._pending
+        while pending:
+            kept = pending[-1][1]
+            if kept is not None and (urgent is None or not kept <= urgent):
+                break
+            pending.pop()  # conflated: a plain pool, or an urgent one whose Unhealthy devices are still so
+        pending.append((pool, urgent))
+        if len(pending) > MAX_PENDING:
+            del pending[:-MAX_PENDING]
+        self._wakeup.set()
 
     def close(self) -> None:
         self._closed = True
         self._wakeup.set()
 
-    async def next_pool(self, last_sent: float) -> ResourcePool | None:
-        """The newest pool offered, at once if the stream has been quiet since ``last_sent``
-        (monotonic seconds), else once the burst is over (see COALESCE_QUIET)."""
-        while True:
-            if self._closed:
-                raise _StreamClosed
-            full, pool = self._latest.take()
-            if full:
-                break
-            self._wakeup.clear()
+    async def _wait(self, timeout: float | None = None) -> None:
+        self._wakeup.clear()
+        if timeout is None:
             await self._wakeup.wait()
-        first_pending = time.monotonic()
-        if first_pending - last_sent >= COALESCE_QUIET:
-            return pool
-        while True:
-            deadline = min(self._offered_at + COALESCE_QUIET, first_pending + COALESCE_MAX_DELAY)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            await asyncio.sleep(remaining)
+            return
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def next_pool(self, last_sent: float) -> ResourcePool | None:
+        """The next pool to send: an urgent one at once; otherwise the newest offered, at once if
+        the stream has been quiet since ``last_sent`` (monotonic seconds), else once the burst
+        is over (see COALESCE_QUIET) or an urgent pool arrives."""
+        while not self._pending:
             if self._closed:
                 raise _StreamClosed
-        full, newer = self._latest.take()
-        return newer if full else pool
+            await self._wait()
+        if self._closed:
+            raise _StreamClosed
+        first_pending = time.monotonic()
+        if self._pending[0][1] is None and first_pending - last_sent < COALESCE_QUIET:
+            while self._pending[0][1] is None:
+                deadline = min(self._offered_at + COALESCE_QUIET, first_pending + COALESCE_MAX_DELAY)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await self._wait(remaining)
+                if self._closed:
+                    raise _StreamClosed
+        return self._pending.pop(0)[0]
 
 
 def device_message(device_id: str, health: str, numa_nodes: tuple[int, ...]) -> dp.Device:
@@ -217,9 +255,9 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     async def ListAndWatch(
         self, request: dp.Empty, context: grpc.aio.ServicerContext[dp.Empty, dp.ListAndWatchResponse]
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
-        mailbox = StreamMailbox()
-        self._streams.add(mailbox)
         pool = self._pool()
+        mailbox = StreamMailbox(pool)
+        self._streams.add(mailbox)
         try:
             last_listing = pool.listing if pool is not None else ()
             yield self._messages.response(pool)

@@ -12,9 +12,12 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 from daemon.core import (
+    HEALTH_LOST,
+    HEALTH_RESTORED,
     AllocationError,
     ConfigError,
     ConfiguredPool,
@@ -45,7 +48,7 @@ from ._allocation import (
     write_devinfo_file,
 )
 from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
-from ._folding import RDMA_SUBSYSTEMS, fold_links, fold_uevent
+from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._groups import BRIDGE_CLASSES
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
@@ -89,13 +92,34 @@ class PciHandler:
         return scan_pci(self._sysfs_root, self._dev_root, self._proc_root)
 
     def fold(self, facts: PciFacts, event: Event) -> PciFacts:
-        if isinstance(event, Resync):  # a full scan; link states do not live in sysfs: keep them
-            return replace(self.scan(), links=facts.links)
+        if isinstance(event, Resync):  # a full scan; link and recovery states do not live in sysfs: keep them
+            scanned = self.scan()
+            recovery = {a: state for a, state in facts.recovery.items() if a in scanned.devices}
+            return replace(scanned, links=facts.links, recovery=MappingProxyType(recovery))
         if isinstance(event, UEvent):
             return fold_uevent(facts, event, self._sysfs_root, self._dev_root, self._proc_root)
         if isinstance(event, (LinkChanged, LinkSnapshot)):
             return fold_links(facts, event)
         return facts
+
+    # The event loop's hints (see daemon.core.Handler): PCIe error recovery.
+    def fold_may_block(self, facts: PciFacts, event: Event) -> bool:
+        """A uevent of a function in error recovery: its sysfs reads may wait for the kernel's
+        device locks (seconds during a fatal reset), so the loop folds it in a worker thread."""
+        return isinstance(event, UEvent) and recovery_concerns(facts, event)
+
+    def health_step(self, event: Event) -> str | None:
+        """BEGIN_RECOVERY and FAILED_RECOVERY take a device's health away; SUCCESSFUL_RECOVERY,
+        a ``bind`` (re-probe) and a ``remove`` may give it back: the loop publishes the tree
+        between them, so a recovery of 0.3 ms still shows the kubelet the device Unhealthy."""
+        if not isinstance(event, UEvent) or event.subsystem != "pci":
+            return None
+        if is_error_event(event):
+            error_event = event.properties["ERROR_EVENT"]
+            if error_event not in ERROR_EVENTS:
+                return None
+            return HEALTH_RESTORED if ERROR_EVENTS[error_event] is None else HEALTH_LOST
+        return HEALTH_RESTORED if event.action in ("bind", "remove") else None
 
     def build(self, facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> dict[str, DeviceMap]:
         return self._builder.build(facts, pools)

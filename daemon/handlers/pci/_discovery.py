@@ -69,7 +69,10 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 @dataclass(frozen=True)
 class PciFacts:
-    """The PCI part of the host: devices by address, RDMA char devices, and link states.
+    """The PCI part of the host: devices by address, RDMA char devices, link states, and the
+    devices in PCIe error recovery (address -> ``"recovering"`` from BEGIN_RECOVERY until
+    SUCCESSFUL_RECOVERY, ``"failed"`` after FAILED_RECOVERY until a ``bind`` or ``remove``).
+    Like link states, recovery states come from events, not from sysfs: a rescan keeps them.
 
     ``token`` names this version of the facts. ``lineage`` lists the recent folds that led here,
     each as (token of the facts before it, devices changed, interfaces changed), so the pool
@@ -80,6 +83,7 @@ class PciFacts:
     devices: Mapping[str, PciDevice]
     rdma_char_devices: Mapping[str, tuple[str, ...]]
     links: Mapping[str, LinkState] = field(default_factory=lambda: _EMPTY)
+    recovery: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     token: int = field(default_factory=lambda: secrets.randbits(63))
     lineage: tuple[tuple[int, frozenset[str], frozenset[str]], ...] = ()
 

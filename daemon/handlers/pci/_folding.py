@@ -6,6 +6,15 @@ That function is read again from sysfs exactly as a full scan reads it, together
 functions whose facts depend on it: a VF's PF (``sriov_numvfs``), a PF's VFs (their PF netdev
 and link type). A function that is gone leaves the facts. Link events only replace link states.
 The result is what a full scan of the same sysfs would give.
+
+PCIe error recovery (``change`` uevents with ``ERROR_EVENT``, sent by the kernel for every
+function below the port it recovers) is folded from the event alone, never from sysfs: during a
+fatal reset the kernel holds the device locks below the port for seconds, and a read of, say, a
+PF's ``sriov_numvfs`` waits for them. The uevent is also all there is to know: sysfs shows no
+recovery state. BEGIN_RECOVERY marks the function ``recovering``, SUCCESSFUL_RECOVERY clears
+it, FAILED_RECOVERY marks it ``failed`` until it is re-probed (a ``bind``) or removed. Other
+uevents of a function in recovery (or of its PF or VFs) are still read from sysfs, but
+``fold_may_block`` tells the event loop to fold them in a worker thread.
 """
 
 from __future__ import annotations
@@ -23,6 +32,15 @@ from ._discovery import PCI_ADDRESS, PciFacts, copy_map, read_devices, read_rdma
 log = logging.getLogger("devplugd.pci")
 
 RDMA_SUBSYSTEMS = frozenset({"infiniband", "infiniband_verbs", "infiniband_mad", "infiniband_cm"})
+
+RECOVERING = "recovering"
+FAILED = "failed"
+# ERROR_EVENT values (drivers/pci/pci-driver.c, pci_uevent_ers) -> the recovery state they leave
+ERROR_EVENTS: Mapping[str, str | None] = MappingProxyType({
+    "BEGIN_RECOVERY": RECOVERING,
+    "SUCCESSFUL_RECOVERY": None,
+    "FAILED_RECOVERY": FAILED,
+})
 
 
 def pci_address_of(devpath: str) -> str | None:
@@ -123,7 +141,67 @@ def _child(
     )
 
 
+def is_error_event(event: UEvent) -> bool:
+    """A PCIe error recovery uevent (folded from the event alone)."""
+    return event.action == "change" and event.subsystem == "pci" and "ERROR_EVENT" in event.properties
+
+
+def _with_recovery(facts: PciFacts, address: str, state: str | None) -> PciFacts:
+    if facts.recovery.get(address) == state:
+        return facts
+    recovery = dict(facts.recovery)
+    if state is None:
+        recovery.pop(address, None)
+    else:
+        recovery[address] = state
+    return _child(facts, recovery=MappingProxyType(recovery), changed_addresses=frozenset({address}))
+
+
+def fold_error_event(facts: PciFacts, event: UEvent, address: str) -> PciFacts:
+    """A PCIe error recovery uevent, from the event alone (see the module docstring); each
+    transition is logged with the function and the event."""
+    error_event = event.properties["ERROR_EVENT"]
+    online = event.properties.get("DEVICE_ONLINE", "?")
+    fields = {"PCI_ADDR": address, "EVENT": error_event}
+    if error_event not in ERROR_EVENTS:
+        log.warning("%s: unknown ERROR_EVENT=%r in a change uevent (DEVICE_ONLINE=%s); ignored", address,
+                    error_event, online, extra=fields)
+        return facts
+    if address not in facts.devices:
+        log.debug("%s: %s for a function we do not know; ignored", address, error_event, extra=fields)
+        return facts
+    state = ERROR_EVENTS[error_event]
+    folded = _with_recovery(facts, address, state)
+    if folded is facts:
+        return facts
+    if state == RECOVERING:
+        log.warning("%s: PCIe error recovery began (ERROR_EVENT=%s, DEVICE_ONLINE=%s): Unhealthy until it "
+                    "succeeds", address, error_event, online, extra=fields)
+    elif state == FAILED:
+        log.error("%s: PCIe error recovery failed (ERROR_EVENT=%s, DEVICE_ONLINE=%s): Unhealthy until the "
+                  "device is re-probed or removed", address, error_event, online, extra=fields)
+    else:
+        log.info("%s: PCIe error recovery succeeded (ERROR_EVENT=%s, DEVICE_ONLINE=%s): Healthy again",
+                 address, error_event, online, extra=fields)
+    return folded
+
+
+def recovery_concerns(facts: PciFacts, event: UEvent) -> bool:
+    """Whether folding ``event`` reads sysfs of a function in error recovery (or of its PF or
+    VFs, which a fold reads with it): such a read may wait seconds for the kernel's device
+    locks, so the loop runs that fold in a worker thread."""
+    if not facts.recovery or is_error_event(event):
+        return False
+    address = pci_address_of(event.devpath)
+    if address is None:
+        return False
+    return not facts.recovery.keys().isdisjoint({address, *_related_in(facts, address)})
+
+
 def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, proc_root: str) -> PciFacts:
+    if is_error_event(event):
+        address = pci_address_of(event.devpath)
+        return facts if address is None else fold_error_event(facts, event, address)
     if event.subsystem in RDMA_SUBSYSTEMS:
         rdma = read_rdma_char_devices(sysfs_root, dev_root)
         if rdma != dict(facts.rdma_char_devices):
@@ -132,7 +210,18 @@ def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, 
     address = pci_address_of(event.devpath)
     if address is None:
         return facts
-    return refresh_devices(facts, [address], sysfs_root, proc_root)
+    state = facts.recovery.get(address)
+    if state is not None and event.subsystem == "pci" and (
+        event.action == "remove" or (event.action == "bind" and state == FAILED)
+    ):
+        log.info("%s: %s after PCIe error recovery %s: its recovery state is cleared", address, event.action,
+                 "failed" if state == FAILED else "began", extra={"PCI_ADDR": address, "EVENT": event.action})
+        facts = _with_recovery(facts, address, None)
+    refreshed = refresh_devices(facts, [address], sysfs_root, proc_root)
+    gone = [a for a in refreshed.recovery if a not in refreshed.devices] if refreshed is not facts else []
+    for stale in gone:  # a function that left the facts takes its recovery state with it
+        refreshed = _with_recovery(refreshed, stale, None)
+    return refreshed
 
 
 def fold_links(facts: PciFacts, event: LinkChanged | LinkSnapshot) -> PciFacts:

@@ -6,8 +6,9 @@ devices (or the links they depend on) only moves those few. The builder keeps wh
 and patches it; anything it cannot account for (new pools, an unknown lineage) is a full build.
 ``pciDevice`` pools take any function a selector admits (the selector's drivers, ``vfio-pci``
 by default), except a PF with VFs enabled and a NIC carrying an IPv4 default route.
-Health: a device is Unhealthy when its own link, or (``checkHealthOnPf``, default on) its PF's
-link, is administratively up without carrier.
+Health: a device is Unhealthy while it is in PCIe error recovery (or after a failed one: see
+``_folding``), and when its own link, or (``checkHealthOnPf``, default on) its PF's link, is
+administratively up without carrier.
 """
 
 from __future__ import annotations
@@ -56,7 +57,12 @@ def eligible(device: PciDevice, device_type: str) -> bool:
     )
 
 
-def health(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool) -> str:
+def health(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
+           recovery: Mapping[str, str] = MappingProxyType({})) -> str:
+    """Unhealthy in error recovery (``recovery``: address -> state) whatever its links say, or
+    when a watched link is up without carrier."""
+    if device.address in recovery:
+        return UNHEALTHY
     watched = [device.netdevs[0]] if device.netdevs else []
     if check_on_pf and device.pf_netdev:
         watched.append(device.pf_netdev)
@@ -250,7 +256,7 @@ def _device_info(
     spec: PciPoolSpec = pool.spec
     numa = device.numa_node
     return DeviceInfo(
-        health=health(device, facts.links, spec.check_health_on_pf),
+        health=health(device, facts.links, spec.check_health_on_pf, facts.recovery),
         numa_nodes=(numa,) if numa is not None and not pool.entry.exclude_topology else (),
         specs=specs,
         details=PciDetails(device=device, info=info, rdma_device=rdma_device),

@@ -1,0 +1,292 @@
+"""PCIe error recovery as health: folding ERROR_EVENT uevents into the PCI facts (from the event
+alone, never from sysfs), the health they give, the loop's hints, and the ListAndWatch mailbox
+that must not hide an Unhealthy list behind a Healthy one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import pytest
+import trio
+
+from daemon.core import (
+    HEALTH_LOST,
+    HEALTH_RESTORED,
+    HEALTHY,
+    UNHEALTHY,
+    DeviceInfo,
+    DeviceTree,
+    Event,
+    Notifier,
+    PoolEntry,
+    Resync,
+    UEvent,
+    parse_config,
+)
+from daemon.deviceplugin import _servicer
+from daemon.deviceplugin._servicer import StreamMailbox
+from daemon.handlers.pci import _folding
+from daemon.loop import EventLoop
+from tests.fakesysfs import FakeHost
+from tests.pci import Pci
+
+PF = "0000:3b:00.0"
+VFS = ["0000:3b:02.0", "0000:3b:02.1"]
+OTHER = "0000:5e:00.0"
+CONFIG = [
+    {"resourceName": "pf", "deviceType": "accelerator", "selectors": {"drivers": ["qat"]}},
+    {"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}},
+    {"resourceName": "nic", "selectors": {"drivers": ["i40e"]}},
+]
+
+
+@pytest.fixture
+def world(host: FakeHost, pci: Pci) -> Pci:
+    host.add_pf(PF, netdev=None, class_code="120000", driver="qat")
+    host.add_vfs(PF, VFS, driver="vfio-pci", iommu_groups=[40, 41])
+    host.add_pci(OTHER, bridge="0000:00:03.0")
+    return pci
+
+
+def error_event(host: FakeHost, address: str, value: str, online: str = "0") -> UEvent:
+    return UEvent("change", host.devpath(address), "pci",
+                  properties={"ERROR_EVENT": value, "DEVICE_ONLINE": online, "PCI_SLOT_NAME": address})
+
+
+def pci_event(host: FakeHost, action: str, address: str, **properties: str) -> UEvent:
+    return UEvent(action, host.devpath(address), "pci", properties=properties)
+
+
+def healths(pci: Pci, facts: Any) -> dict[str, str]:
+    built = pci.handler.build(facts, pci.configure(*CONFIG))
+    return {address: info.health for devices in built.values() for address, info in devices.items()}
+
+
+@pytest.fixture
+def no_sysfs_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an ERROR_EVENT fold read sysfs")
+    monkeypatch.setattr(_folding, "read_devices", forbidden)
+    monkeypatch.setattr(_folding, "read_rdma_char_devices", forbidden)
+    monkeypatch.setattr(_folding, "list_dir", forbidden)
+
+
+def test_recovery_folds_from_the_event_alone_with_the_device_dirs_gone(world, host, no_sysfs_reads):
+    facts = world.handler.scan()
+    events = {a: (error_event(host, a, "BEGIN_RECOVERY"), error_event(host, a, "SUCCESSFUL_RECOVERY", "1"))
+              for a in (PF, *VFS)}
+    shutil.rmtree(host.sys / "devices")  # any read now would find the devices gone
+    for begin, _ in events.values():
+        facts = world.handler.fold(facts, begin)
+    assert dict(facts.recovery) == {PF: "recovering", VFS[0]: "recovering", VFS[1]: "recovering"}
+    assert set(facts.devices) == {PF, *VFS, OTHER}
+    for _, successful in events.values():
+        facts = world.handler.fold(facts, successful)
+    assert dict(facts.recovery) == {}
+    failed = world.handler.fold(facts, error_event(host, VFS[0], "FAILED_RECOVERY"))
+    assert dict(failed.recovery) == {VFS[0]: "failed"}
+
+
+def test_a_device_in_recovery_is_unhealthy_and_healthy_again_after_success(world, host):
+    facts = world.handler.scan()
+    world.handler.build(facts, world.configure(*CONFIG))  # the builder then patches incrementally
+    assert set(healths(world, facts).values()) == {HEALTHY}
+    for address in (PF, *VFS):
+        facts = world.handler.fold(facts, error_event(host, address, "BEGIN_RECOVERY"))
+    assert healths(world, facts) == {PF: UNHEALTHY, VFS[0]: UNHEALTHY, VFS[1]: UNHEALTHY, OTHER: HEALTHY}
+    for address in (PF, *VFS):
+        facts = world.handler.fold(facts, error_event(host, address, "SUCCESSFUL_RECOVERY", "1"))
+    assert set(healths(world, facts).values()) == {HEALTHY}
+
+
+def test_failed_recovery_stays_unhealthy_until_a_bind_and_a_remove_takes_it_away(world, host):
+    facts = world.handler.scan()
+    world.handler.build(facts, world.configure(*CONFIG))
+    facts = world.handler.fold(facts, error_event(host, VFS[0], "FAILED_RECOVERY"))
+    facts = world.handler.fold(facts, error_event(host, VFS[1], "FAILED_RECOVERY"))
+    facts = world.handler.fold(facts, pci_event(host, "change", OTHER))  # unrelated
+    facts = world.handler.fold(facts, pci_event(host, "unbind", VFS[0]))  # an unbind is no re-probe
+    facts = world.handler.fold(facts, Resync("pci", "test"))  # recovery states survive a rescan
+    assert healths(world, facts)[VFS[0]] == UNHEALTHY
+    assert dict(facts.recovery) == {VFS[0]: "failed", VFS[1]: "failed"}
+    facts = world.handler.fold(facts, pci_event(host, "bind", VFS[0], DRIVER="vfio-pci"))
+    assert healths(world, facts)[VFS[0]] == HEALTHY and dict(facts.recovery) == {VFS[1]: "failed"}
+    (host.device_dir(PF) / "virtfn1").unlink()
+    devpath = host.devpath(VFS[1])
+    host.remove_pci(VFS[1])
+    facts = world.handler.fold(facts, UEvent("remove", devpath, "pci"))
+    assert VFS[1] not in facts.devices and dict(facts.recovery) == {}
+
+
+def test_a_recovery_state_of_a_device_gone_at_a_rescan_is_dropped(world, host):
+    facts = world.handler.fold(world.handler.scan(), error_event(host, OTHER, "FAILED_RECOVERY"))
+    host.remove_pci(OTHER)
+    facts = world.handler.fold(facts, Resync("pci", "test"))
+    assert OTHER not in facts.devices and dict(facts.recovery) == {}
+
+
+def test_an_unknown_error_event_is_one_warning_naming_it_and_changes_nothing(world, host, caplog, no_sysfs_reads):
+    facts = world.handler.scan()
+    with caplog.at_level(logging.DEBUG, "devplugd.pci"):
+        folded = world.handler.fold(facts, error_event(host, PF, "PARTIAL_RECOVERY"))
+    assert folded is facts
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "'PARTIAL_RECOVERY'" in warnings[0].getMessage()
+    assert warnings[0].PCI_ADDR == PF  # type: ignore[attr-defined]
+    assert world.handler.health_step(error_event(host, PF, "PARTIAL_RECOVERY")) is None
+
+
+def test_each_transition_is_logged_with_the_device_and_the_event(world, host, caplog):
+    facts = world.handler.scan()
+    with caplog.at_level(logging.INFO, "devplugd.pci"):
+        for value in ("BEGIN_RECOVERY", "BEGIN_RECOVERY", "SUCCESSFUL_RECOVERY", "FAILED_RECOVERY"):
+            facts = world.handler.fold(facts, error_event(host, VFS[0], value))
+        facts = world.handler.fold(facts, pci_event(host, "bind", VFS[0], DRIVER="vfio-pci"))
+    logged = [(r.PCI_ADDR, r.EVENT) for r in caplog.records if hasattr(r, "EVENT")]  # type: ignore[attr-defined]
+    # the repeated BEGIN is no transition; the bind after the failure is one
+    assert logged == [(VFS[0], "BEGIN_RECOVERY"), (VFS[0], "SUCCESSFUL_RECOVERY"), (VFS[0], "FAILED_RECOVERY"),
+                      (VFS[0], "bind")]
+
+
+def test_the_loop_hints(world, host):
+    handler = world.handler
+    facts = handler.scan()
+    assert handler.health_step(error_event(host, PF, "BEGIN_RECOVERY")) == HEALTH_LOST
+    assert handler.health_step(error_event(host, PF, "FAILED_RECOVERY")) == HEALTH_LOST
+    assert handler.health_step(error_event(host, PF, "SUCCESSFUL_RECOVERY")) == HEALTH_RESTORED
+    assert handler.health_step(pci_event(host, "bind", PF)) == HEALTH_RESTORED
+    assert handler.health_step(pci_event(host, "add", PF)) is None
+    assert not any(handler.fold_may_block(facts, pci_event(host, "change", a)) for a in (PF, *VFS, OTHER))
+    facts = handler.fold(facts, error_event(host, PF, "BEGIN_RECOVERY"))
+    # a uevent of the PF, or of a VF (whose fold reads its PF), may wait for the PF's device lock
+    assert all(handler.fold_may_block(facts, pci_event(host, "change", a)) for a in (PF, *VFS))
+    assert not handler.fold_may_block(facts, pci_event(host, "change", OTHER))
+    assert not handler.fold_may_block(facts, error_event(host, VFS[0], "BEGIN_RECOVERY"))  # never reads
+
+
+# -- the event loop: batches split at a health recovery, blocking folds off its thread -----------
+
+
+class RecoveringHandler:
+    """Facts: the set of unhealthy devices among d0..d2; ``lose dN`` / ``restore dN`` uevents."""
+
+    name: ClassVar[str] = "recovering"
+    device_types: ClassVar[frozenset[str]] = frozenset({"counted"})
+    subsystems: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self) -> None:
+        self.fold_threads: dict[str, str] = {}
+
+    def parse_pool(self, entry: PoolEntry) -> None:
+        return None
+
+    def scan(self) -> frozenset[str]:
+        return frozenset()
+
+    def fold(self, facts: frozenset[str], event: Event) -> frozenset[str]:
+        if not isinstance(event, UEvent):
+            return facts
+        self.fold_threads[event.devpath] = threading.current_thread().name
+        return facts | {event.devpath} if event.action == "lose" else facts - {event.devpath}
+
+    def fold_may_block(self, facts: frozenset[str], event: Event) -> bool:
+        return isinstance(event, UEvent) and event.devpath in facts
+
+    def health_step(self, event: Event) -> str | None:
+        if isinstance(event, UEvent):
+            return HEALTH_LOST if event.action == "lose" else HEALTH_RESTORED
+        return None
+
+    def build(self, facts: frozenset[str], pools: Sequence[Any]) -> dict[str, Any]:
+        devices = {f"d{n}": DeviceInfo(health=UNHEALTHY if f"d{n}" in facts else HEALTHY) for n in range(3)}
+        return {pool.resource: devices for pool in pools}
+
+
+class Trees:
+    def __init__(self) -> None:
+        self.trees: list[DeviceTree] = []
+
+    def offer(self, tree: DeviceTree) -> None:
+        self.trees.append(tree)
+
+
+async def test_the_loop_publishes_the_unhealthy_tree_before_folding_the_recovery():
+    handler = RecoveringHandler()
+    config = parse_config('{"resourceList": [{"resourceName": "things", "deviceType": "counted", "selectors": {}}]}',
+                          "test", "example.com", {"counted": ("recovering", handler.parse_pool)})
+    notifier = Notifier()
+    trees = Trees()
+    notifier.subscribe(trees)
+    loop = EventLoop({"recovering": handler}, config, notifier, lambda: config)
+    send, receive = trio.open_memory_channel[Event](16)
+    send.send_nowait(Resync(None, "start"))
+    for action in ("lose", "restore"):  # as the kernel sends them: BEGIN on every function, then SUCCESSFUL
+        for device in ("d0", "d1", "d2"):
+            send.send_nowait(UEvent(action, device, "x"))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.run, receive)
+        with trio.fail_after(5):
+            while not trees.trees or trees.trees[-1].version < 2:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    listings = [[health for _, health, _ in tree.pools["example.com/things"].listing] for tree in trees.trees]
+    # the first scan and the BEGINs are one batch, the SUCCESSFULs the next: two trees, not one nor six
+    assert listings == [[UNHEALTHY] * 3, [HEALTHY] * 3]
+    main = threading.current_thread().name
+    # the restoring folds concern devices in recovery: off the loop's thread
+    assert handler.fold_threads["d0"] != main
+
+
+# -- the ListAndWatch mailbox ------------------------------------------------------------------
+
+
+def _pool(healths: dict[str, str]) -> Any:
+    from daemon.core import ResourcePool
+    return ResourcePool("example.com/things", "t", None,  # type: ignore[arg-type]
+                        {device_id: DeviceInfo(health=health) for device_id, health in healths.items()})
+
+
+def test_an_unhealthy_list_is_sent_at_once_and_not_hidden_by_a_healthy_one():
+    async def run() -> tuple[list[Any], list[float], float]:
+        healthy = _pool({"a": HEALTHY, "b": HEALTHY})
+        mailbox = StreamMailbox(healthy)
+        last_sent = time.monotonic()  # the stream has just sent: a plain change would be held
+        mailbox.offer(_pool({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))  # plain: conflated away
+        unhealthy = _pool({"a": UNHEALTHY, "b": UNHEALTHY, "c": HEALTHY})
+        mailbox.offer(_pool({"a": UNHEALTHY, "b": HEALTHY, "c": HEALTHY}))
+        mailbox.offer(unhealthy)  # includes the first urgent one's Unhealthy device: replaces it
+        mailbox.offer(_pool({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))
+        offered = time.monotonic()
+        sent, returned = [], []
+        for _ in range(2):
+            pool = await mailbox.next_pool(last_sent)
+            last_sent = time.monotonic()
+            sent.append(pool.listing if pool else None)
+            returned.append(last_sent - offered)
+        return sent, returned, offered
+
+    (first, second), (first_at, second_at), _ = asyncio.run(run())
+    assert [h for _, h, _ in first] == [UNHEALTHY, UNHEALTHY, HEALTHY]
+    assert first_at < _servicer.COALESCE_QUIET  # at once, although the stream had just sent
+    assert [h for _, h, _ in second] == [HEALTHY] * 3
+    assert second_at >= _servicer.COALESCE_QUIET * 0.9  # then coalesced as usual
+
+
+def test_an_urgent_list_interrupts_a_held_one():
+    async def run() -> tuple[Any, float]:
+        mailbox = StreamMailbox(_pool({"a": HEALTHY}))
+        last_sent = time.monotonic()
+        mailbox.offer(_pool({"a": HEALTHY, "b": HEALTHY}))
+        asyncio.get_running_loop().call_later(0.005, mailbox.offer, _pool({"a": UNHEALTHY, "b": HEALTHY}))
+        started = time.monotonic()
+        pool = await mailbox.next_pool(last_sent)
+        return pool.listing if pool else None, time.monotonic() - started
+
+    listing, waited = asyncio.run(run())
+    assert listing == (("a", UNHEALTHY, ()), ("b", HEALTHY, ())) and waited < _servicer.COALESCE_QUIET
