@@ -27,6 +27,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,17 @@ from pathlib import Path
 from tests.guest.image import GuestImage, ensure_image
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GUEST_PYTHON = REPO_ROOT / ".venv" / "bin" / "python"
+
+
+def _venv_python() -> Path:
+    """The venv the tests run in (a git worktree has none of its own: it borrows the main
+    checkout's, and ``PYTHONPATH`` below makes its own packages win), else the checkout's."""
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / "bin" / "python"
+    return REPO_ROOT / ".venv" / "bin" / "python"
+
+
+GUEST_PYTHON = _venv_python()
 CONTROL_DIR = ".guest"
 MAX_VFS_PER_PF = 127  # QEMU 7.2's nvme refuses more
 # intel_iommu=on: Debian's default leaves VT-d off, and without it there are no IOMMU groups and
