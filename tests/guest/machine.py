@@ -291,7 +291,9 @@ def udevd_prelude(log: Path, timing: Path) -> str:
         "    [ $tries -le 1000 ] || { echo 'systemd-udevd: no /run/udev/control after 10 s' >&2; exit 125; }\n"
         "    sleep 0.01\n"
         "done\n"
+        f"echo \"udevd-control $(cut -d' ' -f1 /proc/uptime)\" >>{quoted_timing}\n"
         "udevadm trigger --action=add --type=all || exit 125\n"
+        f"echo \"udevd-triggered $(cut -d' ' -f1 /proc/uptime)\" >>{quoted_timing}\n"
         f"udevadm settle -t {UDEV_SETTLE_SECONDS} || {{ echo 'udevadm settle timed out' >&2; exit 125; }}\n"
         f"echo \"udevd-ready $(cut -d' ' -f1 /proc/uptime)\" >>{quoted_timing}\n"
     )
