@@ -152,3 +152,18 @@ def recovery(events: list[Uevent], error_event: str, *, source: str | None = Non
     SUCCESSFUL_RECOVERY, FAILED_RECOVERY), optionally of one source only."""
     return [event for event in events
             if event.properties.get("ERROR_EVENT") == error_event and (source is None or event.source == source)]
+
+
+def udev_delivery(events: list[Uevent]) -> dict[str, float | int]:
+    """How udev passed on the kernel's events, from one listener on both groups: ``late`` (udev
+    copies delivered after a copy with a higher SEQNUM: reordered across devices), ``matched``
+    (kernel events udev passed on), and the kernel -> udev lag median and maximum in ms."""
+    kernel = {event.seqnum: event.received for event in events if event.source == "kernel"}
+    udev = [event for event in events if event.source == "udev" and event.seqnum in kernel]
+    lags = sorted((event.received - kernel[event.seqnum]) * 1000 for event in udev)
+    highest, late = 0, 0
+    for event in udev:
+        late += event.seqnum < highest
+        highest = max(highest, event.seqnum)
+    return {"matched": len(udev), "late": late, "lag_median_ms": round(lags[len(lags) // 2], 1) if lags else 0.0,
+            "lag_max_ms": round(lags[-1], 1) if lags else 0.0}

@@ -7,6 +7,9 @@ script drives the kernel the way an operator does — ``sriov_numvfs``, ``driver
 sysfs says should be offered (the vfio-bound VFs and their real ``iommu_group`` links) and what
 the kubelet stand-in was sent, including the Allocate answer for every offered device. It
 asserts nothing: ``result.json`` in the share carries every step and the test decides.
+
+``UEVENT_SOURCE`` in the environment is the daemon's ``--uevent-source`` (default ``kernel``;
+the test also runs ``auto`` in a guest with a real systemd-udevd, where it must pick ``udev``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.guest.listener import KERNEL, UDEV, UeventListener, udev_delivery
 from tests.kubelet import FakeKubelet
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
@@ -33,6 +37,7 @@ PREFIX = "devplugd.test"
 STEP_TIMEOUT = 30.0  # TCG is slow; a step normally settles in well under a second
 READY_TIMEOUT = 120.0  # the daemon's imports over 9p under TCG take most of this
 QUIET = 0.5  # a step's expected view must hold this long (no late stray message)
+UEVENT_SOURCE = os.environ.get("UEVENT_SOURCE", "kernel")
 Expected = dict[str, dict[str, str]]  # resource -> {VF address: IOMMU group}
 
 
@@ -118,7 +123,7 @@ class Scenario:
              "--plugins-registry-dir", str(self.work / "plugins_registry"),
              "--devinfo-dir", str(self.work / "devinfo"), "--control-socket", str(self.work / "control.sock"),
              "--cdi-dir", str(self.work / "cdi"), "--state-dir", str(self.work / "state"),
-             "--uevent-source", "kernel", "--registration", "kubelet", "--log-level", "debug"],
+             "--uevent-source", UEVENT_SOURCE, "--registration", "kubelet", "--log-level", "debug"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NOTIFY_SOCKET": str(self.work / "notify.sock")})
         self.process = process
         try:
@@ -232,7 +237,7 @@ class Scenario:
 
     def save(self, **extra: Any) -> None:
         document = {"pfs": self.pfs, "resources": self.resources, "steps": self.steps, "ready_s": self.ready_s,
-                    **extra}
+                    "uevent_source": UEVENT_SOURCE, **extra}
         (self.share / "result.json").write_text(json.dumps(document, indent=1))
 
 
@@ -275,8 +280,23 @@ def run(share: Path) -> None:
         for vf in unbound:
             write(Path("/sys/bus/pci/drivers_probe"), vf)  # driver_override still says vfio-pci
 
+    def flap_some() -> None:
+        """Every other VF unbound, bound and unbound again back to back: per device the uevents
+        must be folded in order, whatever udev does to their order across devices."""
+        unbound.clear()
+        for pf in pfs:
+            unbound.extend(vfs_of(pf)[1::2])
+        for vf in unbound:
+            unbind(vf)
+        rebind_some()
+        for vf in unbound:
+            unbind(vf)
+
     preferred: list[str] = []
     offered: list[str] = []
+    # Under udevd: how much udev reordered and delayed the events this run went through.
+    listener = UeventListener(KERNEL | UDEV) if UEVENT_SOURCE != "kernel" else None
+    delivery = {}
     with scenario.daemon() as daemon:
         try:
             steps = [
@@ -288,6 +308,7 @@ def run(share: Path) -> None:
                 ("sriov_numvfs 0", destroy_all),
                 ("VFs created again, only the last bound", create_all),
                 ("all new VFs bound to vfio-pci", bind_all),
+                ("every other VF unbound, bound and unbound again at once", flap_some),
             ]
             for name, action in steps:
                 if not scenario.step(name, action):
@@ -297,8 +318,12 @@ def run(share: Path) -> None:
             preferred = scenario.kubelet.preferred_allocation(first, offered, [offered[-1]], 2)
         finally:
             alive = daemon.poll() is None
-            scenario.save(daemon_alive=alive)
-    scenario.save(daemon_alive=alive, daemon_exit=daemon.returncode, preferred=preferred, offered_first=offered)
+            if listener is not None:
+                delivery = udev_delivery(listener.snapshot())
+                listener.close()
+            scenario.save(daemon_alive=alive, udev_delivery=delivery)
+    scenario.save(daemon_alive=alive, daemon_exit=daemon.returncode, preferred=preferred, offered_first=offered,
+                  udev_delivery=delivery)
 
 
 if __name__ == "__main__":
