@@ -27,12 +27,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.guest.devices import (  # benchmarks/guest_bind.py imports these from here too
+    PCI_DEVICES,
+    VFIO_DRIVER,
+    driver_of,
+    iommu_group_of,
+    nvme_pfs,
+    set_num_vfs,
+    unbind,
+    vfs_of,
+    write,
+)
 from tests.guest.listener import KERNEL, UDEV, UeventListener, udev_delivery
 from tests.kubelet import FakeKubelet
 
-PCI_DEVICES = Path("/sys/bus/pci/devices")
-NVME_CLASS = "0x010802"
-VFIO_DRIVER = "vfio-pci"
+__all__ = ["PCI_DEVICES", "Scenario", "bind_vfio", "nvme_pfs", "run", "set_num_vfs", "unbind", "vfs_of", "write"]
+
 PREFIX = "devplugd.test"
 STEP_TIMEOUT = 30.0  # TCG is slow; a step normally settles in well under a second
 READY_TIMEOUT = 120.0  # the daemon's imports over 9p under TCG take most of this
@@ -41,47 +51,11 @@ UEVENT_SOURCE = os.environ.get("UEVENT_SOURCE", "kernel")
 Expected = dict[str, dict[str, str]]  # resource -> {VF address: IOMMU group}
 
 
-def nvme_pfs() -> list[str]:
-    """The NVMe PFs (class 0x010802, SR-IOV capable, not themselves VFs), by address."""
-    return sorted(
-        path.name for path in PCI_DEVICES.iterdir()
-        if (path / "class").read_text().strip() == NVME_CLASS
-        and (path / "sriov_totalvfs").exists() and not (path / "physfn").exists()
-    )
-
-
-def write(path: Path, text: str) -> None:
-    with open(path, "w") as sysfs_file:
-        sysfs_file.write(text)
-
-
-def vfs_of(pf: str) -> list[str]:
-    links = sorted((p for p in (PCI_DEVICES / pf).iterdir() if p.name.startswith("virtfn")),
-                   key=lambda p: int(p.name[6:]))
-    return [os.path.basename(os.readlink(link)) for link in links]
-
-
-def driver_of(address: str) -> str | None:
-    link = PCI_DEVICES / address / "driver"
-    return os.path.basename(os.readlink(link)) if link.is_symlink() else None
-
-
-def iommu_group_of(address: str) -> str:
-    return os.path.basename(os.readlink(PCI_DEVICES / address / "iommu_group"))
-
-
-def set_num_vfs(pf: str, count: int) -> None:
-    write(PCI_DEVICES / pf / "sriov_numvfs", str(count))
-
-
 def bind_vfio(vf: str) -> None:
-    """driver_override then drivers_probe: with autoprobe off, a plain ``bind`` write fails."""
+    """driver_override then drivers_probe: with autoprobe off, a plain ``bind`` write fails.
+    Unlike ``tests.guest.devices.bind`` it does not wait: the daemon must notice by itself."""
     write(PCI_DEVICES / vf / "driver_override", VFIO_DRIVER)
     write(Path("/sys/bus/pci/drivers_probe"), vf)
-
-
-def unbind(vf: str) -> None:
-    write(PCI_DEVICES / vf / "driver" / "unbind", vf)
 
 
 class Scenario:
