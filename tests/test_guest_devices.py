@@ -91,7 +91,8 @@ def test_topologies_udevd_monitor_relay_and_aer_recovery_uevents(
         assert set(outcome(fatal_default, "FAILED_RECOVERY", source)) >= set(bridge["below"][1:]), fatal_default
         assert not outcome(fatal_default, "SUCCESSFUL_RECOVERY", source), fatal_default
         for aer in seen["aer"]:
-            for function in {event["name"] for event in aer["events"] if event["source"] == source}:
+            for function in {event["name"] for event in aer["events"]
+                             if event["source"] == source and event["error_event"]}:
                 kinds = [event["error_event"] for event in aer["events"]
                          if event["source"] == source and event["name"] == function and event["error_event"]]
                 assert kinds[0] == "BEGIN_RECOVERY" and len(kinds) == 2, (source, function, aer)
