@@ -7,6 +7,9 @@ script drives the kernel the way an operator does — ``sriov_numvfs``, ``driver
 sysfs says should be offered (the vfio-bound VFs and their real ``iommu_group`` links) and what
 the kubelet stand-in was sent, including the Allocate answer for every offered device. It
 asserts nothing: ``result.json`` in the share carries every step and the test decides.
+
+``UEVENT_SOURCE`` in the environment is the daemon's ``--uevent-source`` (default ``kernel``;
+the test also runs ``auto`` in a guest with a real systemd-udevd, where it must pick ``udev``).
 """
 
 from __future__ import annotations
@@ -24,59 +27,35 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tests.guest.devices import (  # benchmarks/guest_bind.py imports these from here too
+    PCI_DEVICES,
+    VFIO_DRIVER,
+    driver_of,
+    iommu_group_of,
+    nvme_pfs,
+    set_num_vfs,
+    unbind,
+    vfs_of,
+    write,
+)
+from tests.guest.listener import KERNEL, UDEV, UeventListener, udev_delivery
 from tests.kubelet import FakeKubelet
 
-PCI_DEVICES = Path("/sys/bus/pci/devices")
-NVME_CLASS = "0x010802"
-VFIO_DRIVER = "vfio-pci"
+__all__ = ["PCI_DEVICES", "Scenario", "bind_vfio", "nvme_pfs", "run", "set_num_vfs", "unbind", "vfs_of", "write"]
+
 PREFIX = "devplugd.test"
 STEP_TIMEOUT = 30.0  # TCG is slow; a step normally settles in well under a second
 READY_TIMEOUT = 120.0  # the daemon's imports over 9p under TCG take most of this
 QUIET = 0.5  # a step's expected view must hold this long (no late stray message)
+UEVENT_SOURCE = os.environ.get("UEVENT_SOURCE", "kernel")
 Expected = dict[str, dict[str, str]]  # resource -> {VF address: IOMMU group}
 
 
-def nvme_pfs() -> list[str]:
-    """The NVMe PFs (class 0x010802, SR-IOV capable, not themselves VFs), by address."""
-    return sorted(
-        path.name for path in PCI_DEVICES.iterdir()
-        if (path / "class").read_text().strip() == NVME_CLASS
-        and (path / "sriov_totalvfs").exists() and not (path / "physfn").exists()
-    )
-
-
-def write(path: Path, text: str) -> None:
-    with open(path, "w") as sysfs_file:
-        sysfs_file.write(text)
-
-
-def vfs_of(pf: str) -> list[str]:
-    links = sorted((p for p in (PCI_DEVICES / pf).iterdir() if p.name.startswith("virtfn")),
-                   key=lambda p: int(p.name[6:]))
-    return [os.path.basename(os.readlink(link)) for link in links]
-
-
-def driver_of(address: str) -> str | None:
-    link = PCI_DEVICES / address / "driver"
-    return os.path.basename(os.readlink(link)) if link.is_symlink() else None
-
-
-def iommu_group_of(address: str) -> str:
-    return os.path.basename(os.readlink(PCI_DEVICES / address / "iommu_group"))
-
-
-def set_num_vfs(pf: str, count: int) -> None:
-    write(PCI_DEVICES / pf / "sriov_numvfs", str(count))
-
-
 def bind_vfio(vf: str) -> None:
-    """driver_override then drivers_probe: with autoprobe off, a plain ``bind`` write fails."""
+    """driver_override then drivers_probe: with autoprobe off, a plain ``bind`` write fails.
+    Unlike ``tests.guest.devices.bind`` it does not wait: the daemon must notice by itself."""
     write(PCI_DEVICES / vf / "driver_override", VFIO_DRIVER)
     write(Path("/sys/bus/pci/drivers_probe"), vf)
-
-
-def unbind(vf: str) -> None:
-    write(PCI_DEVICES / vf / "driver" / "unbind", vf)
 
 
 class Scenario:
@@ -118,7 +97,7 @@ class Scenario:
              "--plugins-registry-dir", str(self.work / "plugins_registry"),
              "--devinfo-dir", str(self.work / "devinfo"), "--control-socket", str(self.work / "control.sock"),
              "--cdi-dir", str(self.work / "cdi"), "--state-dir", str(self.work / "state"),
-             "--uevent-source", "kernel", "--registration", "kubelet", "--log-level", "debug"],
+             "--uevent-source", UEVENT_SOURCE, "--registration", "kubelet", "--log-level", "debug"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NOTIFY_SOCKET": str(self.work / "notify.sock")})
         self.process = process
         try:
@@ -232,7 +211,7 @@ class Scenario:
 
     def save(self, **extra: Any) -> None:
         document = {"pfs": self.pfs, "resources": self.resources, "steps": self.steps, "ready_s": self.ready_s,
-                    **extra}
+                    "uevent_source": UEVENT_SOURCE, **extra}
         (self.share / "result.json").write_text(json.dumps(document, indent=1))
 
 
@@ -275,8 +254,23 @@ def run(share: Path) -> None:
         for vf in unbound:
             write(Path("/sys/bus/pci/drivers_probe"), vf)  # driver_override still says vfio-pci
 
+    def flap_some() -> None:
+        """Every other VF unbound, bound and unbound again back to back: per device the uevents
+        must be folded in order, whatever udev does to their order across devices."""
+        unbound.clear()
+        for pf in pfs:
+            unbound.extend(vfs_of(pf)[1::2])
+        for vf in unbound:
+            unbind(vf)
+        rebind_some()
+        for vf in unbound:
+            unbind(vf)
+
     preferred: list[str] = []
     offered: list[str] = []
+    # Under udevd: how much udev reordered and delayed the events this run went through.
+    listener = UeventListener(KERNEL | UDEV) if UEVENT_SOURCE != "kernel" else None
+    delivery = {}
     with scenario.daemon() as daemon:
         try:
             steps = [
@@ -288,6 +282,7 @@ def run(share: Path) -> None:
                 ("sriov_numvfs 0", destroy_all),
                 ("VFs created again, only the last bound", create_all),
                 ("all new VFs bound to vfio-pci", bind_all),
+                ("every other VF unbound, bound and unbound again at once", flap_some),
             ]
             for name, action in steps:
                 if not scenario.step(name, action):
@@ -297,8 +292,12 @@ def run(share: Path) -> None:
             preferred = scenario.kubelet.preferred_allocation(first, offered, [offered[-1]], 2)
         finally:
             alive = daemon.poll() is None
-            scenario.save(daemon_alive=alive)
-    scenario.save(daemon_alive=alive, daemon_exit=daemon.returncode, preferred=preferred, offered_first=offered)
+            if listener is not None:
+                delivery = udev_delivery(listener.snapshot())
+                listener.close()
+            scenario.save(daemon_alive=alive, udev_delivery=delivery)
+    scenario.save(daemon_alive=alive, daemon_exit=daemon.returncode, preferred=preferred, offered_first=offered,
+                  udev_delivery=delivery)
 
 
 if __name__ == "__main__":
