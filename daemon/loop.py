@@ -205,14 +205,11 @@ class EventLoop:
             if isinstance(event, UEvent):
                 for name, handler in self._handlers.items():
                     if not handler.subsystems or event.subsystem in handler.subsystems:
-                        if name in self._may_block and self._fold_may_block(name, event):
-                            changed |= await self._fold_in_thread(name, event)
-                        else:
-                            changed |= self._fold(name, event)
+                        changed |= await self._fold(name, event)
             elif isinstance(event, (LinkChanged, LinkSnapshot)):
                 for name, handler in self._handlers.items():
                     if getattr(handler, "wants_links", False):
-                        changed |= self._fold(name, event)
+                        changed |= await self._fold(name, event)
             elif isinstance(event, ConfigChanged):
                 reload_reasons.append(event.reason)
             elif isinstance(event, LeasesChanged):
@@ -237,12 +234,18 @@ class EventLoop:
             return False
         return True
 
-    def _fold(self, name: str, event: Event) -> bool:
+    async def _fold(self, name: str, event: Event) -> bool:
+        """Fold ``event`` into the handler's facts: inline (microseconds), or in a worker thread
+        when the handler says it may block. Whether the facts changed."""
         facts = self._facts.get(name)
         if facts is None:
             return False  # the first scan, still to come, will see what this event saw
+        fold = self._handlers[name].fold
         try:
-            folded = self._handlers[name].fold(facts, event)
+            if self._fold_may_block(name, facts, event):
+                folded = await trio.to_thread.run_sync(fold, facts, event)
+            else:
+                folded = fold(facts, event)
         except Exception:
             log.exception("handler %s failed on %s; keeping its last devices", name, describe(event),
                           extra={"EVENT": describe(event)})
@@ -250,27 +253,16 @@ class EventLoop:
         self._facts[name] = folded
         return folded is not facts
 
-    def _fold_may_block(self, name: str, event: Event) -> bool:
-        facts = self._facts.get(name)
-        if facts is None:
+    def _fold_may_block(self, name: str, facts: object, event: Event) -> bool:
+        may_block = self._may_block.get(name)
+        if may_block is None:
             return False
         try:
-            return self._may_block[name](facts, event)
+            return may_block(facts, event)
         except Exception:  # be safe: a thread costs a little, a blocked loop costs the watchdog
             log.exception("handler %s failed to tell whether %s may block; folding it in a thread", name,
                           describe(event), extra={"EVENT": describe(event)})
             return True
-
-    async def _fold_in_thread(self, name: str, event: Event) -> bool:
-        facts = self._facts.get(name)
-        try:
-            folded = await trio.to_thread.run_sync(self._handlers[name].fold, facts, event)
-        except Exception:
-            log.exception("handler %s failed on %s; keeping its last devices", name, describe(event),
-                          extra={"EVENT": describe(event)})
-            return False
-        self._facts[name] = folded
-        return folded is not facts
 
     def _reload(self, reasons: list[str]) -> bool:
         log.info("reloading the config (%s)", "; ".join(dict.fromkeys(reasons)), extra={"EVENT": "reload"})
