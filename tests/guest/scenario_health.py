@@ -63,15 +63,16 @@ class HealthScenario(Scenario):
     def __init__(self, share: Path, pf: str, mf: list[str]) -> None:
         super().__init__(share, [pf])
         self.pf, self.mf = pf, mf
-        self.resources = {"vfs": f"{PREFIX}/vfs", "mf": f"{PREFIX}/mf"}
+        self.resources = {"vfs": f"{PREFIX}/vfs", **({"mf": f"{PREFIX}/mf"} if mf else {})}
 
     def config(self) -> dict[str, Any]:
-        return {"resourceList": [
-            {"resourceName": "vfs", "resourcePrefix": PREFIX, "deviceType": "pciDevice",
-             "selectors": {"rootDevices": [self.pf]}},
-            {"resourceName": "mf", "resourcePrefix": PREFIX, "deviceType": "pciDevice",
-             "selectors": {"pciAddresses": self.mf}},
-        ]}
+        """``vfs``: the PF's VFs; ``mf`` (without ``mf``, none: benchmarks/guest_aer.py): the group."""
+        pools = [{"resourceName": "vfs", "resourcePrefix": PREFIX, "deviceType": "pciDevice",
+                  "selectors": {"rootDevices": [self.pf]}}]
+        if self.mf:
+            pools.append({"resourceName": "mf", "resourcePrefix": PREFIX, "deviceType": "pciDevice",
+                          "selectors": {"pciAddresses": self.mf}})
+        return {"resourceList": pools}
 
     def view(self, pool: str) -> View:
         return {device: health for device, (health, _) in self.kubelet.state(self.resources[pool]).devices.items()}
