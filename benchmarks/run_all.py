@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "burst": (),
     "idle": ("--seconds", "20"),
     "guest_bind": (),
+    "guest_aer": (),
 }
 TIMEOUT = 300.0
 

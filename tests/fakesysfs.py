@@ -181,11 +181,16 @@ class FakeHost:
         _link(directory / "iommu_group", group_dir)
         _link(group_dir / "devices" / address, directory)
 
-    def add_vfio_cdev(self, address: str, index: int, *, node: bool = True) -> None:
+    def add_vfio_cdev(self, address: str, index: int, *, node: bool = True, cdev: bool = True) -> None:
         """``<function>/vfio-dev/vfio<index>`` as a kernel with IOMMUFD shows a vfio-pci function
         (``dev`` = MAJ:MIN, the class link), with ``/dev/vfio/devices/vfio<index>`` and
-        ``/dev/iommu`` unless ``node`` is false."""
+        ``/dev/iommu`` unless ``node`` is false. ``cdev=False``: as Linux 6.1-6.5 show it, a
+        class device without ``dev`` (no VFIO cdev before 6.6) and no nodes."""
         cdev_dir = self.device_dir(address) / "vfio-dev" / f"vfio{index}"
+        if not cdev:
+            cdev_dir.mkdir(parents=True, exist_ok=True)
+            _link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
+            return
         _write(cdev_dir / "dev", f"511:{index}\n")
         _link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
         if node:

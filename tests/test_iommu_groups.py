@@ -142,6 +142,19 @@ def test_a_vfio_dev_entry_without_its_node_is_logged_and_left_out(
     assert "/dev/vfio/devices/vfio0 is missing" in caplog.text
 
 
+def test_a_vfio_dev_entry_without_a_cdev_is_no_iommufd_device_and_no_warning(
+    pci: Pci, host: FakeHost, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Linux 6.1 (Debian 12's): ``vfio-dev/vfio0`` for every vfio-pci function, without ``dev``;
+    a guest run logged two warnings per function on every rebuild before this."""
+    vfs = add_nvme_pf(host, "0000:05:00.0", ["vfio-pci"])
+    host.add_vfio_cdev(vfs[0], 0, cdev=False)
+    caplog.set_level(logging.WARNING, logger="devplugd.pci")
+    allocation = pci.allocate(pci.pool(PCI_POOL), vfs)
+    assert allocation.specs == [VFIO, DeviceSpec("/dev/vfio/10", "/dev/vfio/10")]
+    assert "is missing" not in caplog.text
+
+
 def test_a_vfio_dev_uevent_brings_the_iommufd_nodes_in(pci: Pci, host: FakeHost) -> None:
     vfs = add_nvme_pf(host, "0000:05:00.0", ["vfio-pci"])
     configured = pci.configure(PCI_POOL)

@@ -257,8 +257,16 @@ def read_device(
         uio_devices=tuple(list_dir(f"{device_dir}/uio")) if "uio" in entries else (),
         rdma_devices=tuple(list_dir(f"{device_dir}/infiniband")) if "infiniband" in entries else (),
         has_default_route=any(name in default_route_ifaces for name in netdevs),
-        vfio_cdev=next(iter(list_dir(f"{device_dir}/vfio-dev")), None) if "vfio-dev" in entries else None,
+        vfio_cdev=vfio_cdev_of(device_dir) if "vfio-dev" in entries else None,
     )
+
+
+def vfio_cdev_of(device_dir: str) -> str | None:
+    """``vfioN`` of ``vfio-dev/vfioN`` when it is a character device (it has ``dev``). Linux
+    6.1-6.5 make ``vfio-dev/vfioN`` for every vfio-pci function without one (the VFIO cdev came
+    in 6.6): there is no ``/dev/vfio/devices/vfioN`` to hand out, and nothing to warn about."""
+    name = next(iter(list_dir(f"{device_dir}/vfio-dev")), None)
+    return name if name is not None and os.path.exists(f"{device_dir}/vfio-dev/{name}/dev") else None
 
 
 @dataclass(frozen=True, slots=True)

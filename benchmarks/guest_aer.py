@@ -1,0 +1,124 @@
+"""A real kernel's PCIe error recovery -> the kubelet stand-in seeing the VFs Unhealthy, then Healthy.
+
+Boots the QEMU guest of tests/guest (TCG, one emulated NVMe SR-IOV PF on a root port, behind an
+emulated VT-d, with QEMU's monitor) and, inside it, runs devplugd (``--uevent-source kernel``)
+and the kubelet stand-in against the guest's own ``/sys`` and ``/dev``. The PF stays on nvme, its
+2 VFs are on vfio-pci (the pool, by ``rootDevices``). ``--injections`` times, ``--gap`` apart:
+a non-fatal ``UNSUP`` on the root port (``pcie_aer_inject_error`` through the monitor relay);
+the kernel sends BEGIN_RECOVERY then SUCCESSFUL_RECOVERY on the PF and both VFs.
+
+Clock start: the guest's request to the monitor relay (``hmp``); also shown from the kernel's
+first BEGIN_RECOVERY uevent of a VF (a listener on the uevent group the daemon reads). Clock
+stop: the stand-in's arrival stamp of the first ListAndWatch message with a VF Unhealthy, and
+of the first later one with both VFs Healthy again.
+
+Everything runs under TCG (no KVM here): the guest's CPU is emulated, several times slower than
+the host's, so these figures are an upper bound of what real hardware gives. Prints
+p50/p90/p99/max, never asserts.
+
+    .venv/bin/python -m benchmarks.guest_aer [--injections 20] [--gap 0.3] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def _inside(injections: int, warmup: int, gap: float, share: Path) -> None:
+    """In the guest: the daemon, the stand-in, a uevent listener, and the injections."""
+    from tests.guest.devices import PCI_DEVICES, VFIO_DRIVER, bind, functions_below, ports, set_num_vfs, vfs_of, write
+    from tests.guest.listener import KERNEL, UeventListener
+    from tests.guest.monitor import NON_FATAL, inject_aer
+    from tests.guest.scenario_health import HealthScenario
+
+    port = next(p for p in ports() if p["kind"] == "sriov")
+    pf = functions_below(port["address"])[0]
+    write(PCI_DEVICES / pf / "sriov_drivers_autoprobe", "0")
+    set_num_vfs(pf, 2)
+    vfs = vfs_of(pf)
+    for vf in vfs:
+        bind(vf, VFIO_DRIVER)
+    scenario = HealthScenario(share, pf, [])
+    resource = scenario.resources["vfs"]
+    samples: dict[str, list[float]] = {"request -> a VF Unhealthy": [], "BEGIN_RECOVERY uevent -> a VF Unhealthy": [],
+                                       "request -> both Healthy again": [],
+                                       "SUCCESSFUL_RECOVERY uevent -> both Healthy": []}
+    healthy = {vf: "Healthy" for vf in vfs}
+    with UeventListener(KERNEL) as listener, scenario.daemon():
+        kubelet = scenario.kubelet
+        if scenario.wait_view("vfs", healthy, 60) is None:
+            raise RuntimeError(f"{resource} never held {healthy}: {scenario.view('vfs')}")
+        state = kubelet.state(resource)
+        for injection in range(warmup + injections):
+            first_new = len(state.messages)
+            events_from = len(listener.snapshot())
+            reply = inject_aer(port["id"], NON_FATAL)
+
+            def healths(index: int) -> set[str]:
+                return {health for vf, (health, _) in state.messages[index].items() if vf in vfs}
+
+            def unhealthy_index() -> int | None:
+                return next((i for i in range(first_new, len(state.messages)) if "Unhealthy" in healths(i)), None)
+
+            def healthy_index() -> int | None:
+                start = unhealthy_index()
+                return None if start is None else next(
+                    (i for i in range(start + 1, len(state.messages)) if healths(i) == {"Healthy"}), None)
+
+            kubelet.wait_for(lambda _: healthy_index() is not None, 30, f"{resource} Unhealthy then Healthy")
+            lost, back = unhealthy_index(), healthy_index()
+            if lost is None or back is None:  # wait_for saw both: only for the type checker
+                raise RuntimeError(f"{resource}: messages changed under us: {state.messages[first_new:]}")
+            events = listener.snapshot()[events_from:]
+            begin = next(e.received for e in events
+                         if e.properties.get("ERROR_EVENT") == "BEGIN_RECOVERY" and e.name in vfs)
+            success = max(e.received for e in events
+                          if e.properties.get("ERROR_EVENT") == "SUCCESSFUL_RECOVERY" and e.name in vfs)
+            if injection >= warmup:
+                samples["request -> a VF Unhealthy"].append(state.received_at[lost] - reply.requested_at)
+                samples["BEGIN_RECOVERY uevent -> a VF Unhealthy"].append(state.received_at[lost] - begin)
+                samples["request -> both Healthy again"].append(state.received_at[back] - reply.requested_at)
+                samples["SUCCESSFUL_RECOVERY uevent -> both Healthy"].append(state.received_at[back] - success)
+            time.sleep(gap)
+    (share / "result.json").write_text(json.dumps({"samples": samples, "ready_s": scenario.ready_s}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--injections", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--gap", type=float, default=0.3, help="seconds between injections")
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.inside:
+        _inside(arguments.injections, arguments.warmup, arguments.gap, Path(os.environ["GUEST_SHARE"]))
+        return
+
+    from benchmarks._common import machine_line
+    from benchmarks._events import latency_row
+    from tests.guest import SriovNvme, guest_python, run_in_guest
+
+    print(machine_line())
+    print(f"guest_aer: {arguments.injections} non-fatal AER injections on a root port in a QEMU TCG guest "
+          "(emulated CPU)")
+    with tempfile.TemporaryDirectory(prefix="dpga", dir="/tmp") as directory:
+        share = Path(directory)
+        started = time.monotonic()
+        run_in_guest(guest_python("-m", "benchmarks.guest_aer", "--inside", "--injections", str(arguments.injections),
+                                  "--warmup", str(arguments.warmup), "--gap", str(arguments.gap)),
+                     ports=[SriovNvme(2)], share=share, monitor=True, timeout=120 + arguments.injections * 5)
+        result = json.loads((share / "result.json").read_text())
+    print(f"  guest run {time.monotonic() - started:.1f} s; daemon start to READY=1 in the guest "
+          f"{result['ready_s']:.1f} s (imports over 9p, emulated CPU)")
+    print("non-fatal AER -> the kubelet stand-in's list (TCG guest: slower than real hardware)")
+    for label, values in result["samples"].items():
+        print(latency_row(label, values, width=44))
+
+
+if __name__ == "__main__":
+    main()
