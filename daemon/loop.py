@@ -35,7 +35,8 @@ Two optional handler hints bend the batching above (see ``daemon.core.Handler``)
   device Unhealthy (``HEALTH_LOST``: BEGIN_RECOVERY), so the tree with the Unhealthy device is
   published before the next batch folds the recovery: a PCIe recovery of 0.3 ms still reaches
   every consumer. The burst of a recovery (BEGIN on every function, then SUCCESSFUL on every
-  one) stays two trees, not one per uevent;
+  one) waiting on the bus together is two trees, not one per uevent (uevents the kernel sends a
+  millisecond apart may give a few more: each a tree the kernel had said so far, none hidden);
 * ``fold_may_block(facts, event)``: that fold runs in a worker thread (a uevent of a PCI device
   under a fatal reset, whose sysfs reads wait seconds for the kernel's device locks). The loop
   awaits it, so events stay in order; trio, and so the kubelet's streams, Allocate and the
