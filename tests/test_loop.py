@@ -200,17 +200,22 @@ def write_checkpoint(directory: Path, *device_ids: str, resource: str = "example
     (directory / ".tmp").rename(directory / CHECKPOINT_NAME)
 
 
+async def remove_d2(running: Running, tmp: Path, *, held_by_a_pod: str) -> None:
+    """Three devices served, the checkpoint saying a pod holds ``held_by_a_pod``, then d2 gone."""
+    running.handler.devices = 3
+    await running.handle(Resync(None, "start"))
+    write_checkpoint(tmp / "dp", held_by_a_pod)
+    running.handler.devices = 2
+    await running.handle(Resync("counting", "d2 removed"))
+
+
 def health(running: Running, name: str = "things") -> dict[str, str]:
     return {d: info.health for d, info in running.notifier.tree.pools[f"example.com/{name}"].devices.items()}
 
 
 async def test_a_device_that_vanishes_while_allocated_stays_unhealthy_until_the_checkpoint_lets_it_go(short_tmp):
     async with running_loop(short_tmp) as running:
-        running.handler.devices = 3
-        await running.handle(Resync(None, "start"))
-        write_checkpoint(short_tmp / "dp", "d2")
-        running.handler.devices = 2
-        await running.handle(Resync("counting", "d2 removed"))
+        await remove_d2(running, short_tmp, held_by_a_pod="d2")
         assert health(running) == {"d0": HEALTHY, "d1": HEALTHY, "d2": UNHEALTHY}
         pool = running.notifier.tree.pools["example.com/things"]
         assert pool.vanished == {"d2"} and ("d2", UNHEALTHY, ()) in pool.listing
@@ -222,21 +227,13 @@ async def test_a_device_that_vanishes_while_allocated_stays_unhealthy_until_the_
 
 async def test_a_device_that_vanishes_unallocated_leaves_at_once(short_tmp):
     async with running_loop(short_tmp) as running:
-        running.handler.devices = 3
-        await running.handle(Resync(None, "start"))
-        write_checkpoint(short_tmp / "dp", "d0")
-        running.handler.devices = 2
-        await running.handle(Resync("counting", "d2 removed"))
+        await remove_d2(running, short_tmp, held_by_a_pod="d0")
         assert health(running) == {"d0": HEALTHY, "d1": HEALTHY}
 
 
 async def test_a_vanished_device_that_comes_back_is_the_handlers_fresh_record(short_tmp):
     async with running_loop(short_tmp) as running:
-        running.handler.devices = 3
-        await running.handle(Resync(None, "start"))
-        write_checkpoint(short_tmp / "dp", "d2")
-        running.handler.devices = 2
-        await running.handle(Resync("counting", "d2 removed"))
+        await remove_d2(running, short_tmp, held_by_a_pod="d2")
         running.handler.devices = 3
         await running.handle(Resync("counting", "d2 back"))
         assert health(running) == {"d0": HEALTHY, "d1": HEALTHY, "d2": HEALTHY}
@@ -245,11 +242,7 @@ async def test_a_vanished_device_that_comes_back_is_the_handlers_fresh_record(sh
 
 async def test_a_checkpoint_that_cannot_be_read_keeps_vanished_devices_listed(short_tmp, caplog):
     async with running_loop(short_tmp) as running:
-        running.handler.devices = 3
-        await running.handle(Resync(None, "start"))
-        write_checkpoint(short_tmp / "dp", "d2")
-        running.handler.devices = 2
-        await running.handle(Resync("counting", "d2 removed"))
+        await remove_d2(running, short_tmp, held_by_a_pod="d2")
         (short_tmp / "dp" / CHECKPOINT_NAME).write_text("{torn")
         await running.handle(CheckpointChanged("test"))
         assert "cannot read the kubelet checkpoint" in caplog.text
@@ -292,11 +285,7 @@ async def test_the_checkpoint_is_read_only_when_a_device_vanished_or_it_changed(
 async def test_a_pool_removed_by_a_reload_takes_its_vanished_devices_with_it(short_tmp):
     others = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted", "selectors": {}}]})
     async with running_loop(short_tmp, [others]) as running:
-        running.handler.devices = 3
-        await running.handle(Resync(None, "start"))
-        write_checkpoint(short_tmp / "dp", "d2")
-        running.handler.devices = 2
-        await running.handle(Resync("counting", "d2 removed"))
+        await remove_d2(running, short_tmp, held_by_a_pod="d2")
         await running.handle(ConfigChanged("test"))
         assert set(running.notifier.tree.pools) == {"example.com/others"}
         assert health(running, "others") == {"d0": HEALTHY, "d1": HEALTHY}
