@@ -49,7 +49,7 @@ from ._allocation import (
 )
 from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
 from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
-from ._groups import BRIDGE_CLASSES
+from ._groups import is_bridge_class
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
@@ -230,7 +230,7 @@ def _is_bridge_address(sysfs_root: str, address: str) -> bool:
         class_code = read_hex_id(f"{sysfs_root}/bus/pci/devices/{address}/class", 6)
     except SysfsError:
         return False
-    return class_code is not None and class_code.startswith(BRIDGE_CLASSES)
+    return class_code is not None and is_bridge_class(class_code)
 
 
 if TYPE_CHECKING:

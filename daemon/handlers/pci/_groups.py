@@ -28,18 +28,16 @@ VIABLE_DRIVERS = frozenset({VFIO_DRIVER, "pci-stub"})
 BRIDGE_CLASSES = ("0604", "0609")
 
 
-def is_bridge(device: PciDevice) -> bool:
-    return device.class_code.startswith(BRIDGE_CLASSES)
-
-
-def counts_for_viability(device: PciDevice) -> bool:
-    return not is_bridge(device)
+def is_bridge_class(class_code: str) -> bool:
+    """A PCI bridge: it may keep its driver (pcieport) without making its group not viable."""
+    return class_code.startswith(BRIDGE_CLASSES)
 
 
 def blocking_functions(members: Iterable[PciDevice]) -> list[PciDevice]:
     """The functions that keep a group from being viable: bound to a host driver."""
     return [device for device in members
-            if counts_for_viability(device) and device.driver is not None and device.driver not in VIABLE_DRIVERS]
+            if not is_bridge_class(device.class_code)
+            and device.driver is not None and device.driver not in VIABLE_DRIVERS]
 
 
 def passthrough_group(device: PciDevice) -> str | None:
