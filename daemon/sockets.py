@@ -2,6 +2,7 @@
 
 * ``SUN_PATH_MAX``: the longest path a unix socket can be bound at;
 * ``start_unix_server``: start a grpc.aio server listening on one unix socket, or raise;
+* ``refuse``: end a call with a status and a message (what every servicer's refusals go through);
 * ``remove_socket_file`` / ``remove_stale_sockets``: remove sockets we (or an earlier run of us)
   left behind, and never anything that is not a socket.
 """
@@ -11,11 +12,15 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 import grpc
 
 SUN_PATH_MAX = 107  # sun_path is 108 bytes, the terminating NUL included
 SOCKET_PREFIX = "devplugd-"
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
 
 
 async def start_unix_server(server: grpc.aio.Server, socket_path: str) -> grpc.aio.Server:
@@ -25,6 +30,14 @@ async def start_unix_server(server: grpc.aio.Server, socket_path: str) -> grpc.a
         raise OSError(f"cannot listen on {socket_path}")
     await server.start()
     return server
+
+
+async def refuse(
+    context: grpc.aio.ServicerContext[_Request, _Response], code: grpc.StatusCode, message: str
+) -> NoReturn:
+    """End the call with ``code`` and ``message`` (``abort`` raises; this says so to type checkers)."""
+    await context.abort(code, message)
+    raise AssertionError("abort raises")
 
 
 def remove_socket_file(path: Path) -> None:

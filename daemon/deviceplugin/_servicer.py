@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import NoReturn, TypeVar
 
 import grpc
 
@@ -29,6 +28,7 @@ from daemon.core import (
     ResourcePool,
     allocate_container,
 )
+from daemon.sockets import refuse
 
 log = logging.getLogger("devplugd.server")
 
@@ -42,8 +42,6 @@ MAX_IDS_NAMED = 5
 COALESCE_QUIET = 0.025
 COALESCE_MAX_DELAY = 0.25
 
-_Request = TypeVar("_Request")
-_Response = TypeVar("_Response")
 
 
 class _StreamClosed(Exception):
@@ -274,17 +272,11 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         finally:
             self._streams.discard(mailbox)
 
-    async def _refuse(
-        self, context: grpc.aio.ServicerContext[_Request, _Response], code: grpc.StatusCode, message: str
-    ) -> NoReturn:
-        await context.abort(code, message)
-        raise AssertionError("abort raises")  # for type checkers
-
     async def Allocate(
         self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[dp.AllocateRequest, dp.AllocateResponse]
     ) -> dp.AllocateResponse:
         if not request.container_requests:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                                f"Allocate for {self.resource}: no container_requests")
         pool = self._pool()
         responses = []
@@ -294,16 +286,16 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             if problem is not None or pool is None:
                 log.warning("refused Allocate: container request %d: %s", index, problem,
                             extra={"RESOURCE": self.resource})
-                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
+                await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"container request {index}: {problem}")
             try:
                 allocation = allocate_container(self._hooks, pool, device_ids)
             except (AllocationError, OSError) as error:
                 log.error("Allocate failed for %s: %s", self.resource, error, extra={"RESOURCE": self.resource})
-                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")
+                await refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")
             except HandlerFailed as error:
                 log.error("Allocate failed for %s: %s", self.resource, error, exc_info=error.__cause__,
                           extra={"RESOURCE": self.resource})
-                await self._refuse(context, grpc.StatusCode.INTERNAL, f"container request {index}: {error}")
+                await refuse(context, grpc.StatusCode.INTERNAL, f"container request {index}: {error}")
             if self._with_cdi:
                 with_cdi_names(allocation, self.resource, device_ids)
             responses.append(container_response(allocation))
@@ -326,7 +318,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         pool = self._pool()
         preferred = self._hooks.preferred
         if preferred is None or pool is None or not self.options().get_preferred_allocation_available:
-            await self._refuse(context, grpc.StatusCode.UNIMPLEMENTED,
+            await refuse(context, grpc.StatusCode.UNIMPLEMENTED,
                                f"{self.resource} does not offer GetPreferredAllocation")
         responses = []
         for container_request in request.container_requests:
@@ -338,7 +330,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                     container_request.allocation_size,
                 )
             except Exception as error:
-                await self._refuse(context, *self._hook_refusal("preferred_allocation", error))
+                await refuse(context, *self._hook_refusal("preferred_allocation", error))
             responses.append(dp.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return dp.PreferredAllocationResponse(container_responses=responses)
 
@@ -353,5 +345,5 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             try:
                 pre_starter.pre_start_container(pool, list(request.devices_ids))
             except Exception as error:
-                await self._refuse(context, *self._hook_refusal("pre_start_container", error))
+                await refuse(context, *self._hook_refusal("pre_start_container", error))
         return dp.PreStartContainerResponse()

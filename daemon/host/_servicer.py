@@ -19,7 +19,6 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import NoReturn, TypeVar
 
 import grpc
 import trio
@@ -41,7 +40,7 @@ from daemon.core import (
     ResourcePool,
     allocate_container,
 )
-from daemon.sockets import remove_socket_file, start_unix_server
+from daemon.sockets import refuse, remove_socket_file, start_unix_server
 
 from ._leases import Lease, LeaseBook, LeaseError, NotEnoughFree
 
@@ -199,9 +198,9 @@ class HostServicer(host_grpc.HostServicer):
         tree = self._notifier.tree
         pool = tree.pools.get(request.resource)
         if pool is None:
-            await _refuse(context, grpc.StatusCode.NOT_FOUND, f"no resource {request.resource!r}")
+            await refuse(context, grpc.StatusCode.NOT_FOUND, f"no resource {request.resource!r}")
         if not request.owner:
-            await _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an owner name is required")
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an owner name is required")
         hooks = self._hooks[pool.handler]
         # From the choice to the reservation nothing yields: two clients never get one device.
         try:
@@ -212,13 +211,13 @@ class HostServicer(host_grpc.HostServicer):
                         extra={"RESOURCE": request.resource})
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(error, NotEnoughFree) \
                 else grpc.StatusCode.FAILED_PRECONDITION
-            await _refuse(context, code, str(error))
+            await refuse(context, code, str(error))
         except (AllocationError, OSError, HandlerFailed) as error:
             log.error("lease of %s failed: %s", request.resource, error, exc_info=error.__cause__,
                       extra={"RESOURCE": request.resource})
             code = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(error, AllocationError)
                     else grpc.StatusCode.INTERNAL)
-            await _refuse(context, code, f"lease failed: {error}")
+            await refuse(context, code, f"lease failed: {error}")
         if self._with_cdi:
             with_cdi_names(allocation, pool.resource, chosen)
         lease = Lease.grant(pool.resource, request.owner, chosen, allocation)
@@ -230,7 +229,7 @@ class HostServicer(host_grpc.HostServicer):
             log.error("lease of %s failed: cannot write %s: %s", request.resource, self._leases.path, error,
                       extra={"RESOURCE": request.resource})
             self._leases_changed()
-            await _refuse(context, grpc.StatusCode.INTERNAL, f"lease failed: {error}")
+            await refuse(context, grpc.StatusCode.INTERNAL, f"lease failed: {error}")
         log.info("leased %s of %s to %s as %s", ",".join(chosen), pool.resource, request.owner, lease.lease,
                  extra={"RESOURCE": pool.resource, "EVENT": "lease"})
         return self._lease_message(lease, tree)
@@ -241,10 +240,10 @@ class HostServicer(host_grpc.HostServicer):
         try:
             lease = await self._leases.remove(request.lease)
         except LeaseError as error:
-            await _refuse(context, grpc.StatusCode.NOT_FOUND, f"{error} (never granted, or already released)")
+            await refuse(context, grpc.StatusCode.NOT_FOUND, f"{error} (never granted, or already released)")
         except OSError as error:
             log.error("release of %s failed: cannot write %s: %s", request.lease, self._leases.path, error)
-            await _refuse(context, grpc.StatusCode.INTERNAL, f"release failed: {error}")
+            await refuse(context, grpc.StatusCode.INTERNAL, f"release failed: {error}")
         log.info("released %s (%s of %s, owner %s)", lease.lease, ",".join(lease.devices), lease.resource,
                  lease.owner, extra={"RESOURCE": lease.resource, "EVENT": "release"})
         self._leases_changed()
@@ -270,15 +269,6 @@ class _WatchStream:
             await self._wakeup.wait()
 
 
-_Request = TypeVar("_Request")
-_Response = TypeVar("_Response")
-
-
-async def _refuse(
-    context: grpc.aio.ServicerContext[_Request, _Response], code: grpc.StatusCode, message: str
-) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("abort raises")  # for type checkers
 
 
 async def _start_control_server(socket_path: str, servicer: HostServicer) -> grpc.aio.Server:
