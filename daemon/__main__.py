@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from daemon import __version__
 from daemon.logs import LEVELS, configure_logging
-from daemon.settings import REGISTRATION_MODES, Settings
+from daemon.settings import KUBELET_KUBECONFIG, REGISTRATION_MODES, Settings
 
 DEFAULTS = Settings()
 
@@ -57,6 +59,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="group owning the control socket (mode 0660), so its members can use it")
     run.add_argument("--cdi", action="store_true",
                      help="also return CDI device names (cdi_devices) in the kubelet's Allocate answers")
+    run.add_argument("--dra-driver", default=DEFAULTS.dra_driver,
+                     help="DRA driver name: spec.driver of our ResourceSlices, a DNS subdomain of at most 63 "
+                          "characters (default: %(default)s)")
+    run.add_argument("--node-name", default=None,
+                     help="this node's Kubernetes name (default: $NODE_NAME, else the host name in lower case)")
+    run.add_argument("--kubeconfig", type=Path, default=None,
+                     help=f"the API server's address and credentials, for DRA pools (default: $KUBECONFIG, else "
+                          f"{KUBELET_KUBECONFIG} when it exists, else the in-cluster service account)")
+    run.add_argument("--dra-plugin-dir", type=Path, default=DEFAULTS.dra_plugin_dir,
+                     help="the kubelet's DRA plugin directory: our socket is DIR/<driver>/dra.sock "
+                          "(default: %(default)s)")
     run.add_argument("--log-level", choices=LEVELS, default="info", help="(default: %(default)s)")
 
     socket_help = f"the daemon's control socket (default: {DEFAULTS.control_socket})"
@@ -96,6 +109,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         configure_logging("warning")
         return _check_config(arguments.path, arguments.resource_prefix)
     configure_logging(arguments.log_level)
+    node_name = arguments.node_name or os.environ.get("NODE_NAME") or socket.gethostname().lower()
+    if problem := _dra_names_problem(arguments.dra_driver, node_name):
+        print(f"devplugd: {problem}", file=sys.stderr)
+        return app.EXIT_BAD_CONFIG
     settings = Settings(
         config_path=arguments.config,
         resource_prefix=arguments.resource_prefix,
@@ -112,8 +129,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         control_socket=arguments.control_socket,
         control_group=arguments.control_group,
         cdi_in_allocate=arguments.cdi,
+        dra_driver=arguments.dra_driver,
+        node_name=node_name,
+        kubeconfig=_kubeconfig(arguments.kubeconfig),
+        dra_plugin_dir=arguments.dra_plugin_dir,
     )
     return app.run(settings)
+
+
+def _dra_names_problem(driver: str, node_name: str) -> str | None:
+    from daemon.core import dns_subdomain_problem
+
+    if problem := dns_subdomain_problem(driver, 63):
+        return f"--dra-driver {driver!r}: {problem}"
+    if problem := dns_subdomain_problem(node_name):
+        return f"node name {node_name!r} (--node-name, $NODE_NAME or the host name): {problem}"
+    return None
+
+
+def _kubeconfig(given: Path | None) -> Path | None:
+    """--kubeconfig, else $KUBECONFIG, else the kubelet's own when it exists; None: in-cluster."""
+    if given is not None:
+        return given
+    if os.environ.get("KUBECONFIG"):
+        return Path(os.environ["KUBECONFIG"])
+    return KUBELET_KUBECONFIG if KUBELET_KUBECONFIG.exists() else None
 
 
 def _client_command(arguments: argparse.Namespace) -> int:

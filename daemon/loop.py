@@ -10,10 +10,16 @@ Everything waiting on the bus is handled as one batch, so a burst (256 VFs from 
   (an empty set means every subsystem); link events go to handlers that set ``wants_links``;
 * ``ConfigChanged`` reloads the config once per batch, validated by the running handlers; on
   error the old config keeps being served;
-* ``LeasesChanged`` (a host lease granted or released) only asks for a new tree: leased devices
-  leave the kubelet's lists;
+* ``LeasesChanged`` (a host lease granted or released) and ``ClaimsChanged`` (a DRA claim
+  prepared or unprepared, a pool's slices withdrawn) only ask for a new tree: held devices leave
+  the kubelet's lists and the ResourceSlices;
 * ``CheckpointChanged`` (the kubelet's checkpoint rewritten) asks for a new tree only while a
-  pool keeps a vanished device (below).
+  pool keeps a vanished device (below) or a pool is served through DRA (the devices pods still
+  hold through the device-plugin API stay out of its slices).
+
+Each pool takes one road (``ResourcePool.road``): DRA when its config says ``allocationApi:
+dra``; the device-plugin API otherwise, except while its ResourceSlices from a time it was a DRA
+pool are still on the API server (withheld: served neither way until they are deleted).
 
 Then every handler builds its pools from its facts (in a worker thread after a rescan or a
 reload, when a build is a full one), the loop assembles an immutable DeviceTree and publishes it.
@@ -57,11 +63,16 @@ import trio
 
 from daemon.checkpoint import Allocations, read_allocations
 from daemon.core import (
+    DEVICE_PLUGIN_ROAD,
+    DRA_API,
+    DRA_ROAD,
     HEALTH_LOST,
     HEALTH_RESTORED,
     UNHEALTHY,
+    WITHHELD_ROAD,
     AnyHandler,
     CheckpointChanged,
+    ClaimsChanged,
     ConfigChanged,
     ConfigFileError,
     ConfiguredPool,
@@ -110,6 +121,8 @@ class EventLoop:
         service: ServiceManager | None = None,
         lease_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
         device_plugin_dir: Path | None = None,
+        claim_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
+        dra_withheld: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         self._handlers = handlers
         self._config = config
@@ -117,6 +130,8 @@ class EventLoop:
         self._reload_config = reload_config
         self._service = service or ServiceManager()
         self._lease_holders = lease_holders
+        self._claim_holders = claim_holders
+        self._dra_withheld = dra_withheld  # resources whose slices are still to be deleted
         self._device_plugin_dir = device_plugin_dir  # where the kubelet's checkpoint is; None: no kubelet
         self._checkpoint_changes = 0  # CheckpointChanged events so far
         self._checkpoint: tuple[int, Allocations | None] | None = None  # (changes, what it said) at the last read
@@ -213,11 +228,11 @@ class EventLoop:
                         changed |= await self._fold(name, event)
             elif isinstance(event, ConfigChanged):
                 reload_reasons.append(event.reason)
-            elif isinstance(event, LeasesChanged):
+            elif isinstance(event, (LeasesChanged, ClaimsChanged)):
                 changed = True
             elif isinstance(event, CheckpointChanged):
                 self._checkpoint_changes += 1
-                changed |= any(pool.vanished for pool in self._notifier.tree.pools.values())
+                changed |= any(pool.vanished or pool.road == DRA_ROAD for pool in self._notifier.tree.pools.values())
         reloaded = bool(reload_reasons) and self._reload(reload_reasons)
         return changed or reloaded, bool(rescans) or reloaded
 
@@ -331,13 +346,14 @@ class EventLoop:
                 devices = built.get(pool_config.resource, {})
                 gone = _gone(previous.pools.get(pool_config.resource), name, devices)
                 fresh.append((name, pool_config, devices, gone))
-        allocations = await self._allocations() if any(gone for *_, gone in fresh) else {}
-        holders = self._lease_holders()
+        any_dra = any(pool_config.entry.allocation_api == DRA_API for _, pool_config, *_ in fresh)
+        allocations = await self._allocations() if any_dra or any(gone for *_, gone in fresh) else {}
+        holds = _Holds(self._lease_holders(), self._claim_holders(), allocations, self._dra_withheld())
         for name, pool_config, devices, gone in fresh:
             vanished: frozenset[str] = frozenset()
             if gone:
                 devices, vanished = _keep_allocated(previous.pools[pool_config.resource], devices, gone, allocations)
-            pools.append(self._pool(previous, name, pool_config, devices, holders, vanished))
+            pools.append(self._pool(previous, name, pool_config, devices, holds, vanished))
         tree = DeviceTree.build(previous.version + 1, pools)
         self._notifier.publish(tree)
         for resource in sorted(tree.diff(previous).listings_changed):
@@ -360,17 +376,53 @@ class EventLoop:
 
     @staticmethod
     def _pool(previous: DeviceTree, handler: str, pool_config: ConfiguredPool[Any], devices: DeviceMap,
-              holders: Mapping[tuple[str, str], object], vanished: frozenset[str] = frozenset()) -> ResourcePool:
+              holds: _Holds, vanished: frozenset[str] = frozenset()) -> ResourcePool:
         resource = pool_config.resource
-        leased = frozenset(d for (r, d) in holders if r == resource and d in devices) if holders else frozenset()
+        leased = holds.of(holds.leases, resource, devices)
+        claimed = holds.of(holds.claims, resource, devices)
+        road = holds.road(pool_config)
+        kubelet_held = holds.kubelet_held(resource, devices) if road == DRA_ROAD else frozenset()
         old = previous.pools.get(resource)
         if old is not None and old.pool_config is pool_config and old.leased == leased and (
-            old.vanished == vanished
+            old.vanished == vanished and old.road == road and old.claimed == claimed
+            and old.kubelet_held == kubelet_held
         ) and (old.devices is devices or old.devices == devices):
             return old  # unchanged: keep the same object (and its cached listing)
         if not isinstance(devices, MappingProxyType):
             devices = MappingProxyType(dict(devices))  # the tree never shares a mutable map
-        return ResourcePool(resource, handler, pool_config, devices, leased, vanished)
+        return ResourcePool(resource, handler, pool_config, devices, leased, vanished, road, claimed, kubelet_held)
+
+
+class _Holds:
+    """Who holds what, read once per tree: host leases and DRA claims by (resource, device), the
+    kubelet's checkpoint (``None``: unreadable), and the pools whose slices are being withdrawn."""
+
+    __slots__ = ("leases", "claims", "allocations", "withheld")
+
+    def __init__(self, leases: Mapping[tuple[str, str], object], claims: Mapping[tuple[str, str], object],
+                 allocations: Allocations | None, withheld: frozenset[str]) -> None:
+        self.leases = leases
+        self.claims = claims
+        self.allocations = allocations
+        self.withheld = withheld
+
+    @staticmethod
+    def of(holders: Mapping[tuple[str, str], object], resource: str, devices: DeviceMap) -> frozenset[str]:
+        if not holders:
+            return frozenset()
+        return frozenset(d for (r, d) in holders if r == resource and d in devices)
+
+    def road(self, pool_config: ConfiguredPool[Any]) -> str:
+        if pool_config.entry.allocation_api == DRA_API:
+            return DRA_ROAD
+        return WITHHELD_ROAD if pool_config.resource in self.withheld else DEVICE_PLUGIN_ROAD
+
+    def kubelet_held(self, resource: str, devices: DeviceMap) -> frozenset[str]:
+        """The devices pods hold through the device-plugin API (all of them while the checkpoint
+        cannot be read: a device is never offered twice)."""
+        if self.allocations is None:
+            return frozenset(devices)
+        return self.of(self.allocations, resource, devices)
 
 
 def _gone(old: ResourcePool | None, handler: str, devices: DeviceMap) -> frozenset[str]:

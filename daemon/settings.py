@@ -7,6 +7,9 @@ from pathlib import Path
 
 KUBELET_SOCKET_NAME = "kubelet.sock"
 REGISTRATION_MODES = ("auto", "kubelet", "watcher", "none")
+DEFAULT_DRA_DRIVER = "devplugd.io"
+KUBELET_KUBECONFIG = Path("/etc/kubernetes/kubelet.conf")
+DRA_SOCKET_NAME = "dra.sock"
 
 
 @dataclass(frozen=True)
@@ -27,10 +30,25 @@ class Settings:
     control_group: str | None = None
     cdi_in_allocate: bool = False
     register_timeout: float = 20.0
+    # DRA: the driver name (ResourceSlice spec.driver), this node, the API server's credentials
+    # (None: the in-cluster service account) and where the kubelet finds DRA plugin sockets
+    dra_driver: str = DEFAULT_DRA_DRIVER
+    node_name: str = "localhost"
+    kubeconfig: Path | None = None
+    dra_plugin_dir: Path = Path("/var/lib/kubelet/plugins")
 
     @property
     def kubelet_socket(self) -> Path:
         return self.device_plugin_dir / KUBELET_SOCKET_NAME
+
+    @property
+    def dra_socket(self) -> Path:
+        """The DRA plugin's gRPC socket, which the registration's GetInfo names."""
+        return self.dra_plugin_dir / self.dra_driver / DRA_SOCKET_NAME
+
+    @property
+    def dra_registration_socket(self) -> Path:
+        return self.plugins_registry_dir / f"{self.dra_driver}-reg.sock"
 
     def effective_registration(self) -> str:
         """``auto`` becomes ``watcher`` when the plugins_registry directory exists (as the SR-IOV

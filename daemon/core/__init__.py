@@ -6,6 +6,7 @@ servers, the host API, CDI, systemd glue). The modules behind it are private to 
 
 from ._allocation import AllocationError, ContainerAllocation, HandlerFailed, UseDefault, default_allocation
 from ._config import (
+    DRA_API,
     ConfigFileError,
     ConfiguredPool,
     DaemonConfig,
@@ -16,6 +17,7 @@ from ._config import (
 )
 from ._events import (
     CheckpointChanged,
+    ClaimsChanged,
     ConfigChanged,
     Event,
     KubeletSocketCreated,
@@ -32,7 +34,9 @@ from ._handler import (
     HEALTH_RESTORED,
     Allocator,
     AnyHandler,
+    AttributeValue,
     ContainerPreStarter,
+    DeviceDescriber,
     DeviceMap,
     Handler,
     HandlerContext,
@@ -45,13 +49,16 @@ from ._handler import (
     tell_lifecycle,
 )
 from ._jsonpath import ConfigError, ConfigObject
-from ._names import extended_resource_name_problem
+from ._names import dns_subdomain_problem, dra_pool_part, extended_resource_name_problem
 from ._notifier import LatestValue, Notifier, Subscriber
 from ._registry import HandlerLoadError, load_handlers, parser_table
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
 from ._tree import (
+    DEVICE_PLUGIN_ROAD,
+    DRA_ROAD,
     HEALTHY,
     UNHEALTHY,
+    WITHHELD_ROAD,
     DeviceInfo,
     DeviceSpec,
     DeviceTree,
@@ -62,14 +69,20 @@ from ._tree import (
 )
 
 __all__ = [
+    "DEVICE_PLUGIN_ROAD",
+    "DRA_API",
+    "DRA_ROAD",
     "HEALTHY",
     "HEALTH_LOST",
     "HEALTH_RESTORED",
     "UNHEALTHY",
+    "WITHHELD_ROAD",
     "AllocationError",
     "Allocator",
     "AnyHandler",
+    "AttributeValue",
     "CheckpointChanged",
+    "ClaimsChanged",
     "ConfigChanged",
     "ConfigError",
     "ConfigFileError",
@@ -78,6 +91,7 @@ __all__ = [
     "ContainerAllocation",
     "ContainerPreStarter",
     "DaemonConfig",
+    "DeviceDescriber",
     "DeviceInfo",
     "DeviceMap",
     "DeviceSpec",
@@ -114,6 +128,8 @@ __all__ = [
     "UseDefault",
     "allocate_container",
     "default_allocation",
+    "dns_subdomain_problem",
+    "dra_pool_part",
     "extended_resource_name_problem",
     "link_name",
     "list_dir",

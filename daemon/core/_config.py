@@ -17,11 +17,14 @@ from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from ._jsonpath import ConfigError, ConfigObject, describe, expect_type
-from ._names import extended_resource_name_problem, resource_name_problem
+from ._names import dra_pool_part, dra_pool_part_problem, extended_resource_name_problem, resource_name_problem
 
 log = logging.getLogger("devplugd.config")
 
 DEFAULT_DEVICE_TYPE = "netDevice"
+DEVICE_PLUGIN_API = "devicePlugin"
+DRA_API = "dra"
+ALLOCATION_APIS = (DEVICE_PLUGIN_API, DRA_API)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class PoolEntry:
     additional_info: Mapping[str, Mapping[str, str]] | None
     selectors: tuple[ConfigObject, ...]
     raw: ConfigObject
+    # which road its devices take: the kubelet's device-plugin API, or DRA ResourceSlices
+    allocation_api: str = DEVICE_PLUGIN_API
 
     @property
     def resource(self) -> str:
@@ -69,6 +74,10 @@ class DaemonConfig:
 
     def pools_of(self, handler: str) -> tuple[ConfiguredPool[Any], ...]:
         return tuple(pool for pool in self.pools if pool.handler == handler)
+
+    @property
+    def dra_pools(self) -> tuple[ConfiguredPool[Any], ...]:
+        return tuple(pool for pool in self.pools if pool.entry.allocation_api == DRA_API)
 
 
 class ConfigFileError(Exception):
@@ -108,6 +117,7 @@ def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTab
             raise ConfigError("$.resourceList", "is required")
         pools: list[ConfiguredPool[Any]] = []
         resources: dict[str, str] = {}
+        dra_pool_names: dict[str, str] = {}  # pool name part -> JSON path of the pool that has it
         for index, item in enumerate(root.get("resourceList", list, [])):
             json_path = f"$.resourceList[{index}]"
             entry = _parse_entry(index, item, json_path, default_prefix, warnings)
@@ -126,12 +136,27 @@ def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTab
                     f"duplicate resource {entry.resource!r} (also at {resources[entry.resource]})",
                 )
             resources[entry.resource] = json_path
+            if entry.allocation_api == DRA_API:
+                _check_dra_pool_name(entry, dra_pool_names)
             pools.append(
                 ConfiguredPool(entry=entry, handler=handler_name, spec=_parse_pool(handler_name, parse_pool, entry))
             )
     except ConfigError as error:
         raise ConfigFileError(source, error) from error
     return DaemonConfig(source=source, pools=tuple(pools), warnings=tuple(warnings))
+
+
+def _check_dra_pool_name(entry: PoolEntry, seen: dict[str, str]) -> None:
+    """A DRA pool's ResourceSlice pool name (``<node>/<resource made valid>``) must be valid and
+    not the same as another DRA pool's (``intel.com/a_b`` and ``intel.com/a-b`` would be one)."""
+    where = entry.raw.path_of("allocationApi")
+    if problem := dra_pool_part_problem(entry.resource):
+        raise ConfigError(where, f"resource {entry.resource!r} cannot be served through DRA: {problem}")
+    part = dra_pool_part(entry.resource)
+    if part in seen:
+        raise ConfigError(where, f"resource {entry.resource!r} would publish the ResourceSlice pool <node>/{part}, "
+                                 f"as the pool at {seen[part]} does")
+    seen[part] = entry.json_path
 
 
 def _parse_pool(handler_name: str, parse_pool: PoolParser, entry: PoolEntry) -> object:
@@ -163,6 +188,10 @@ def _parse_entry(
     device_type = pool.get("deviceType", str, "") or DEFAULT_DEVICE_TYPE
     exclude_topology = pool.get("excludeTopology", bool, False)
     additional_info = _parse_additional_info(pool)
+    allocation_api = pool.get("allocationApi", str, "") or DEVICE_PLUGIN_API
+    if allocation_api not in ALLOCATION_APIS:
+        raise ConfigError(pool.path_of("allocationApi"),
+                          f"must be {' or '.join(repr(a) for a in ALLOCATION_APIS)}, not {allocation_api!r}")
 
     if not pool.has("selectors") or pool.raw("selectors") is None:
         raise ConfigError(pool.path_of("selectors"), "is required (an object or a list of objects)")
@@ -193,6 +222,7 @@ def _parse_entry(
         additional_info=additional_info,
         selectors=selectors,
         raw=pool,
+        allocation_api=allocation_api,
     )
 
 

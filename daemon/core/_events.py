@@ -99,6 +99,14 @@ class LeasesChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class ClaimsChanged:
+    """The DRA side changed who may have which device: a claim was prepared or unprepared, or a
+    pool's ResourceSlices were withdrawn (it may be served to the kubelet now)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointChanged:
     """The kubelet's ``kubelet_internal_checkpoint`` was written, replaced or removed: a device
     kept listed because a pod held it when it vanished may be free now."""
@@ -108,5 +116,5 @@ class CheckpointChanged:
 
 Event = (
     Resync | KubeletSocketCreated | PluginSocketRemoved | UEvent | LinkChanged | LinkSnapshot | ConfigChanged
-    | LeasesChanged | CheckpointChanged
+    | LeasesChanged | ClaimsChanged | CheckpointChanged
 )

@@ -143,6 +143,20 @@ class PreferredAllocator(Protocol):
     ) -> list[str]: ...
 
 
+# A DRA device attribute value: ResourceSlice attributes are exactly one of int, bool, string
+AttributeValue = int | bool | str
+
+
+@runtime_checkable
+class DeviceDescriber(Protocol):
+    """What a DRA ResourceSlice says of a device beyond the core's own attributes (``id``,
+    ``resourceName``, ``numaNode``): name -> value, names unprefixed (the driver's domain) or
+    with a ``domain/`` prefix (``resource.kubernetes.io/pciBusID``). Strings at most 64
+    characters; called on the event loop, so it must not read the host."""
+
+    def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]: ...
+
+
 @runtime_checkable
 class ContainerPreStarter(Protocol):
     def pre_start_container(self, pool: ResourcePool, device_ids: Sequence[str]) -> None: ...
@@ -188,6 +202,7 @@ class Hooks:
     post_allocator: PostAllocator | None = None
     preferred: PreferredAllocator | None = None
     pre_starter: ContainerPreStarter | None = None
+    describer: DeviceDescriber | None = None
 
     @classmethod
     def of(cls, handler: AnyHandler) -> Hooks:
@@ -197,6 +212,7 @@ class Hooks:
             post_allocator=handler if isinstance(handler, PostAllocator) else None,
             preferred=handler if isinstance(handler, PreferredAllocator) else None,
             pre_starter=handler if isinstance(handler, ContainerPreStarter) else None,
+            describer=handler if isinstance(handler, DeviceDescriber) else None,
         )
 
     @property

@@ -40,6 +40,31 @@ def extended_resource_name_problem(name: str) -> str | None:
     return None
 
 
+def dns_subdomain_problem(name: str, max_length: int = 253) -> str | None:
+    """Why ``name`` is not a lower-case DNS-1123 subdomain of at most ``max_length`` characters."""
+    if not name:
+        return "must not be empty"
+    if len(name) > max_length:
+        return f"must be at most {max_length} characters"
+    if not all(_DNS_LABEL.fullmatch(label) for label in name.split(".")):
+        return "must be lower-case DNS labels (a-z, 0-9, '-') separated by '.'"
+    return None
+
+
+def dra_pool_part(resource: str) -> str:
+    """A resource name made valid inside a ResourceSlice pool name (``<node>/<this>``): lower
+    case, ``_`` as ``-`` (``intel.com/sriov_vfs`` -> ``intel.com/sriov-vfs``)."""
+    return resource.lower().replace("_", "-")
+
+
+def dra_pool_part_problem(resource: str) -> str | None:
+    """Why ``dra_pool_part(resource)`` is not DNS subdomains separated by ``/``."""
+    for part in dra_pool_part(resource).split("/"):
+        if problem := dns_subdomain_problem(part):
+            return f"{dra_pool_part(resource)!r} is not a valid ResourceSlice pool name: {part!r} {problem}"
+    return None
+
+
 def resource_name_problem(resource_name: str) -> str | None:
     """Why the SR-IOV plugin would refuse a pool's ``resourceName`` (``^[a-zA-Z0-9_-]+$``)."""
     if not _SRIOV_RESOURCE_NAME.fullmatch(resource_name):

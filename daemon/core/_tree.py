@@ -18,6 +18,11 @@ if TYPE_CHECKING:
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
+# The road a pool's devices take (ResourcePool.road): one at a time, never two
+DEVICE_PLUGIN_ROAD = "devicePlugin"  # ListAndWatch to the kubelet
+DRA_ROAD = "dra"  # ResourceSlices on the API server, claims prepared by the kubelet's DRA manager
+WITHHELD_ROAD = "withheld"  # moved back to the device-plugin API; its slices are still being deleted
+
 _EMPTY_MAP: Mapping[str, str] = MappingProxyType({})
 
 
@@ -71,6 +76,12 @@ class ResourcePool:
     allocated to a pod: they stay in ``devices`` (their last record, ``Unhealthy``) so the pod's
     ``allocatedResourcesStatus`` shows the failure, until the checkpoint lets them go. Nobody
     can be given one (Allocate refuses Unhealthy IDs) and CDI specs leave them out.
+
+    ``road`` is how the pool is served (``DEVICE_PLUGIN_ROAD``, ``DRA_ROAD``, ``WITHHELD_ROAD``).
+    ``claimed`` are devices prepared for DRA ResourceClaims: a device-plugin pool (moved back from
+    DRA) leaves them out of the kubelet's list until they are unprepared. ``kubelet_held`` (DRA
+    pools only) are devices the kubelet's device-plugin checkpoint still shows allocated to pods
+    (the pool was moved to DRA while they ran): they stay out of the ResourceSlices until released.
     """
 
     resource: str
@@ -79,16 +90,23 @@ class ResourcePool:
     devices: Mapping[str, DeviceInfo]
     leased: frozenset[str] = frozenset()
     vanished: frozenset[str] = frozenset()
+    road: str = DEVICE_PLUGIN_ROAD
+    claimed: frozenset[str] = frozenset()
+    kubelet_held: frozenset[str] = frozenset()
 
     @cached_property
     def listing(self) -> Listing:
         """What a ListAndWatch message carries: (ID, health, NUMA nodes), sorted by ID, without
-        the devices under a host lease."""
+        the devices under a host lease or prepared for a DRA claim."""
         return tuple(
             (device_id, info.health, info.numa_nodes)
             for device_id, info in sorted(self.devices.items())
-            if device_id not in self.leased
+            if device_id not in self.leased and device_id not in self.claimed
         )
+
+    def held(self, device_id: str) -> bool:
+        """Whether a host lease, a DRA claim or (for a DRA pool) a device-plugin pod holds it."""
+        return device_id in self.leased or device_id in self.claimed or device_id in self.kubelet_held
 
     @cached_property
     def healthy_count(self) -> int:
@@ -99,8 +117,9 @@ class ResourceDiff:
     """What changed in one resource between two trees: computed lazily, at most once each.
 
     ``added``, ``removed`` and ``changed`` are device IDs (``changed``: any field of DeviceInfo,
-    or whether a host lease holds it); ``listing_changed`` is whether the kubelet's list (IDs,
-    health, topology, leased devices left out) differs, which is all a ListAndWatch stream needs.
+    or whether a host lease, a claim or the kubelet's checkpoint holds it); ``listing_changed`` is
+    whether the kubelet's list (IDs, health, topology, held devices left out) differs, which is
+    all a ListAndWatch stream needs.
     ``old`` or ``new`` is ``None`` when the resource is absent from that tree.
     """
 
@@ -121,15 +140,15 @@ class ResourceDiff:
         if self._devices is None:
             old_devices: Mapping[str, DeviceInfo] = self.old.devices if self.old is not None else {}
             new_devices: Mapping[str, DeviceInfo] = self.new.devices if self.new is not None else {}
-            old_leased = self.old.leased if self.old is not None else frozenset()
-            new_leased = self.new.leased if self.new is not None else frozenset()
+            old_holds = _holds(self.old)
+            new_holds = _holds(self.new)
             self._devices = (
                 frozenset(new_devices.keys() - old_devices.keys()),
                 frozenset(old_devices.keys() - new_devices.keys()),
                 frozenset(
                     device_id for device_id in old_devices.keys() & new_devices.keys()
                     if old_devices[device_id] != new_devices[device_id]
-                    or (device_id in old_leased) != (device_id in new_leased)
+                    or any((device_id in old) != (device_id in new) for old, new in zip(old_holds, new_holds))
                 ),
             )
         return self._devices
@@ -150,7 +169,15 @@ class ResourceDiff:
         """Whether anything a reader can see changed: the resource came or went, or a device did."""
         if (self.old is None) != (self.new is None):
             return True
+        if self.old is not None and self.new is not None and self.old.road != self.new.road:
+            return True
         return bool(self.added or self.removed or self.changed)
+
+
+def _holds(pool: ResourcePool | None) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    if pool is None:
+        return frozenset(), frozenset(), frozenset()
+    return pool.leased, pool.claimed, pool.kubelet_held
 
 
 class TreeDiff:

@@ -3,7 +3,7 @@
 ``Endpoints`` is a subscriber of the notifier. Each tree it is offered does two cheap things and
 returns: it starts, restarts or withdraws endpoints (a resource gets its server the first time
 its pool has a device, so the kubelet never sees an empty first list from us, and keeps it until
-the pool leaves the config; it is served again, and registers again, when its options change, as
+the pool leaves the config or is moved to DRA; it is served again, and registers again, when its options change, as
 a reloaded ``allocationPolicy`` does, since the kubelet reads them only at registration), and it
 hands each resource whose kubelet-visible list changed to that endpoint's ListAndWatch streams,
 each a one-slot mailbox. Kubelet events (``kubelet.sock`` created, our sockets removed) come on
@@ -17,7 +17,16 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from daemon.core import AnyHandler, DeviceTree, Event, KubeletSocketCreated, Notifier, PluginSocketRemoved, TreeDiff
+from daemon.core import (
+    DEVICE_PLUGIN_ROAD,
+    AnyHandler,
+    DeviceTree,
+    Event,
+    KubeletSocketCreated,
+    Notifier,
+    PluginSocketRemoved,
+    TreeDiff,
+)
 from daemon.settings import Settings
 from daemon.sockets import remove_stale_sockets
 from daemon.supervise import Backoff, keep_running
@@ -87,6 +96,8 @@ class Endpoints:
 
     def _sync(self, tree: DeviceTree, diff: TreeDiff) -> None:
         for resource, pool in tree.pools.items():
+            if pool.road != DEVICE_PLUGIN_ROAD:
+                continue  # served through DRA (or withheld while its slices go): withdrawn below
             current = self._endpoints.get(resource)
             if current is not None and current[0].handler_name != pool.handler:
                 log.info("%s moved to handler %s: serving it again", resource, pool.handler,
@@ -107,9 +118,11 @@ class Endpoints:
             scope = trio.CancelScope()
             self._endpoints[resource] = (endpoint, scope)
             self._nursery.start_soon(self._run_endpoint, endpoint, scope, name=f"endpoint {resource}")
-        for resource in [r for r in self._endpoints if r not in tree.pools]:
+        for resource in [r for r in self._endpoints if r not in tree.pools or tree.pools[r].road != DEVICE_PLUGIN_ROAD]:
             endpoint, scope = self._endpoints.pop(resource)
-            log.info("withdrawing %s", resource, extra={"RESOURCE": resource})
+            moved = tree.pools.get(resource)
+            log.info("withdrawing %s%s", resource, f" (now served through {moved.road})" if moved is not None else "",
+                     extra={"RESOURCE": resource})
             endpoint.offer(None)
             scope.cancel()
             self._endpoint_changed()
