@@ -11,7 +11,7 @@ from pathlib import Path
 
 from daemon import __version__
 from daemon.logs import LEVELS, configure_logging
-from daemon.settings import KUBELET_KUBECONFIG, REGISTRATION_MODES, Settings
+from daemon.settings import KUBELET_KUBECONFIG, REGISTRATION_MODES, Settings, dra_names_problem
 
 DEFAULTS = Settings()
 
@@ -110,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check_config(arguments.path, arguments.resource_prefix)
     configure_logging(arguments.log_level)
     node_name = arguments.node_name or os.environ.get("NODE_NAME") or socket.gethostname().lower()
-    if problem := _dra_names_problem(arguments.dra_driver, node_name):
+    # the node name from the environment or the host name is checked only when a pool uses DRA
+    if problem := dra_names_problem(arguments.dra_driver, arguments.node_name):
         print(f"devplugd: {problem}", file=sys.stderr)
         return app.EXIT_BAD_CONFIG
     settings = Settings(
@@ -135,16 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         dra_plugin_dir=arguments.dra_plugin_dir,
     )
     return app.run(settings)
-
-
-def _dra_names_problem(driver: str, node_name: str) -> str | None:
-    from daemon.core import dns_subdomain_problem
-
-    if problem := dns_subdomain_problem(driver, 63):
-        return f"--dra-driver {driver!r}: {problem}"
-    if problem := dns_subdomain_problem(node_name):
-        return f"node name {node_name!r} (--node-name, $NODE_NAME or the host name): {problem}"
-    return None
 
 
 def _kubeconfig(given: Path | None) -> Path | None:

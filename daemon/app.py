@@ -48,7 +48,7 @@ from daemon.deviceplugin import Endpoints
 from daemon.host import HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
 from daemon.service import ServiceManager, StatusReporter
-from daemon.settings import Settings
+from daemon.settings import Settings, dra_names_problem
 from daemon.sources.inotify import InotifySource
 from daemon.sources.links import LinkSource
 from daemon.sources.uevents import make_uevent_source
@@ -97,6 +97,9 @@ def run(settings: Settings) -> int:
         make_uevent_source(settings.uevent_source, frozenset())
     except ValueError as error:
         log.error("--uevent-source %s: %s", settings.uevent_source, error)
+        return EXIT_BAD_CONFIG
+    if config.dra_pools and (problem := dra_names_problem(settings.dra_driver, settings.node_name)):
+        log.error("%s: needed for the DRA pools of %s", problem, config.source)
         return EXIT_BAD_CONFIG
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)

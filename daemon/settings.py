@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.core import dns_subdomain_problem
+
 KUBELET_SOCKET_NAME = "kubelet.sock"
 REGISTRATION_MODES = ("auto", "kubelet", "watcher", "none")
 DEFAULT_DRA_DRIVER = "devplugd.io"
@@ -56,3 +58,13 @@ class Settings:
         if self.registration != "auto":
             return self.registration
         return "watcher" if self.plugins_registry_dir.is_dir() else "kubelet"
+
+
+def dra_names_problem(driver: str, node_name: str | None) -> str | None:
+    """Why the DRA driver name (a DNS subdomain of at most 63 characters) or the node name (a DNS
+    subdomain) cannot be used, or ``None``."""
+    if problem := dns_subdomain_problem(driver, 63):
+        return f"--dra-driver {driver!r}: {problem}"
+    if node_name is not None and (problem := dns_subdomain_problem(node_name)):
+        return f"node name {node_name!r} (--node-name, $NODE_NAME or the host name): {problem}"
+    return None

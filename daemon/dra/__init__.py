@@ -1,0 +1,6 @@
+"""devplugd as a DRA driver: the pools whose config says ``allocationApi: dra``, published as
+ResourceSlices and prepared for ResourceClaims by the kubelet's DRA manager."""
+
+from ._names import device_name, pool_name
+
+__all__ = ["device_name", "pool_name"]
