@@ -48,6 +48,9 @@ log = logging.getLogger("devplugd.host")
 
 MAX_COUNT = 65536
 
+# host leases, the kubelet's checkpoint and DRA claims, by (resource, device ID)
+_Holders = tuple[Mapping[tuple[str, str], Lease], Mapping[tuple[str, str], str], Mapping[tuple[str, str], str]]
+
 
 class HostServicer(host_grpc.HostServicer):
     def __init__(
@@ -58,6 +61,7 @@ class HostServicer(host_grpc.HostServicer):
         device_plugin_dir: Path,
         leases_changed: Callable[[], None],
         with_cdi: bool = True,
+        claim_holders: Callable[[], Mapping[tuple[str, str], str]] = dict,
     ) -> None:
         self._notifier = notifier
         self._hooks = {name: Hooks.of(handler) for name, handler in handlers.items()}
@@ -65,24 +69,24 @@ class HostServicer(host_grpc.HostServicer):
         self._device_plugin_dir = device_plugin_dir
         self._leases_changed = leases_changed
         self._with_cdi = with_cdi
+        self._claim_holders = claim_holders  # (resource, device) -> "<namespace>/<name>" of a DRA claim
 
     # -- reading ---------------------------------------------------------------------------------
-    def _holders(self) -> tuple[dict[tuple[str, str], Lease], dict[tuple[str, str], str]]:
-        """Who holds what now: host leases and the kubelet's checkpoint, read once per answer."""
-        return self._leases.holders(), kubelet_allocations(self._device_plugin_dir)
+    def _holders(self) -> _Holders:
+        """Who holds what now: host leases, DRA claims and the kubelet's checkpoint, read once
+        per answer."""
+        return self._leases.holders(), kubelet_allocations(self._device_plugin_dir), self._claim_holders()
 
     @staticmethod
-    def _device(
-        pool: ResourcePool,
-        device_id: str,
-        holders: tuple[Mapping[tuple[str, str], Lease], Mapping[tuple[str, str], str]],
-    ) -> host.Device:
-        leases, kubelet = holders
+    def _device(pool: ResourcePool, device_id: str, holders: _Holders) -> host.Device:
+        leases, kubelet, claims = holders
         info = pool.devices[device_id]
         device = host.Device(id=device_id, health=info.health, numa_nodes=info.numa_nodes, holder="free")
         lease = leases.get((pool.resource, device_id))
         if lease is not None:
             device.holder, device.lease, device.owner = "lease", lease.lease, lease.owner
+        elif (pool.resource, device_id) in claims:
+            device.holder, device.owner = "claim", claims[(pool.resource, device_id)]
         elif (pool.resource, device_id) in kubelet:
             device.holder, device.owner = "kubelet", kubelet[(pool.resource, device_id)]
         return device
@@ -90,7 +94,8 @@ class HostServicer(host_grpc.HostServicer):
     def _snapshot(self, tree: DeviceTree) -> host.ListResponse:
         holders = self._holders()
         return host.ListResponse(version=tree.version, pools=[
-            host.Pool(resource=resource, devices=[self._device(pool, i, holders) for i in sorted(pool.devices)])
+            host.Pool(resource=resource, devices=[self._device(pool, i, holders) for i in sorted(pool.devices)],
+                      allocation_api=pool.road)
             for resource, pool in sorted(tree.pools.items())
         ])
 
@@ -144,12 +149,14 @@ class HostServicer(host_grpc.HostServicer):
 
     # -- granting --------------------------------------------------------------------------------
     def _choose(self, pool: ResourcePool, request: host.AllocateRequest) -> list[str]:
-        leases, kubelet = self._holders()
+        leases, kubelet, claims = self._holders()
 
         def held_by(device_id: str) -> str | None:
             lease = leases.get((pool.resource, device_id))
             if lease is not None:
                 return f"host lease {lease.lease} (owner {lease.owner})"
+            if (claim := claims.get((pool.resource, device_id))) is not None:
+                return f"the DRA claim {claim}"
             owner = kubelet.get((pool.resource, device_id))
             return f"the kubelet ({owner})" if owner else None
 

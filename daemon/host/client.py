@@ -59,14 +59,15 @@ def command_list(control_socket: Path, output: str) -> int:
     channel, stub = _stub(control_socket)
     with channel:
         response = stub.List(host.ListRequest(), timeout=TIMEOUT)
-    pools = [{"resource": p.resource, "devices": [_device_json(d) for d in p.devices]} for p in response.pools]
+    pools = [{"resource": p.resource, "allocation_api": p.allocation_api or "devicePlugin",
+              "devices": [_device_json(d) for d in p.devices]} for p in response.pools]
     if output == "json":
         print(json.dumps(pools, indent=1))
         return EXIT_OK
-    rows = [[p["resource"], d["id"], d["health"], ",".join(map(str, d["numa_nodes"])) or "-",
+    rows = [[p["resource"], p["allocation_api"], d["id"], d["health"], ",".join(map(str, d["numa_nodes"])) or "-",
              d["holder"] + (f" {d.get('lease', '')} {d.get('owner', '')}".rstrip() if d["holder"] != "free" else "")]
             for p in pools for d in p["devices"]]
-    _print_table(rows, ["RESOURCE", "DEVICE", "HEALTH", "NUMA", "HOLDER"])
+    _print_table(rows, ["RESOURCE", "API", "DEVICE", "HEALTH", "NUMA", "HOLDER"])
     return EXIT_OK
 
 
