@@ -368,3 +368,31 @@ def test_a_handler_that_fails_to_parse_its_pool_refuses_the_file_naming_the_pool
     assert error.value.json_path == "$.resourceList[1]"
     assert str(error.value) == ("config test.json: $.resourceList[1]: handler broken failed to parse this pool: "
                                 "ZeroDivisionError: division by zero")
+
+
+# -- allocationApi: which road a pool's devices take --------------------------------------------
+
+
+def test_allocation_api_defaults_to_the_device_plugin_api_and_takes_dra() -> None:
+    config = parse(pools(pool("a"), pool("b", allocationApi="dra"), pool("c", AllocationAPI="devicePlugin")))
+    assert [p.entry.allocation_api for p in config.pools] == ["devicePlugin", "dra", "devicePlugin"]
+    assert [p.resource for p in config.dra_pools] == ["intel.com/b"]
+
+
+def test_an_unknown_allocation_api_is_refused_with_its_path() -> None:
+    error = parse_error(pools(pool("a"), pool("b", allocationApi="DRA")))
+    assert error.json_path == "$.resourceList[1].allocationApi"
+    assert "'devicePlugin' or 'dra'" in str(error) and "'DRA'" in str(error)
+
+
+def test_dra_pools_whose_slice_pool_names_would_collide_are_refused() -> None:
+    # intel.com/sriov_vfs and intel.com/sriov-vfs are both the pool <node>/intel.com/sriov-vfs
+    error = parse_error(pools(pool("sriov_vfs", allocationApi="dra"), pool("sriov-vfs", allocationApi="dra")))
+    assert error.json_path == "$.resourceList[1].allocationApi"
+    assert "intel.com/sriov-vfs" in str(error) and "$.resourceList[0]" in str(error)
+
+
+def test_the_same_names_are_fine_while_one_of_them_is_a_device_plugin_pool() -> None:
+    config = parse(pools(pool("sriov_vfs", allocationApi="dra"), pool("sriov-vfs")))
+    assert len(config.pools) == 2
+

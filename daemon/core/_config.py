@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 from ._jsonpath import ConfigError, ConfigObject, describe, expect_type
-from ._names import dra_pool_part, dra_pool_part_problem, extended_resource_name_problem, resource_name_problem
+from ._names import dra_pool_part, extended_resource_name_problem, resource_name_problem
 
 log = logging.getLogger("devplugd.config")
 
@@ -147,11 +147,9 @@ def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTab
 
 
 def _check_dra_pool_name(entry: PoolEntry, seen: dict[str, str]) -> None:
-    """A DRA pool's ResourceSlice pool name (``<node>/<resource made valid>``) must be valid and
-    not the same as another DRA pool's (``intel.com/a_b`` and ``intel.com/a-b`` would be one)."""
+    """A DRA pool's ResourceSlice pool name (``<node>/<resource made valid>``) must not be the
+    same as another DRA pool's (``intel.com/a_b`` and ``intel.com/a-b`` would be one)."""
     where = entry.raw.path_of("allocationApi")
-    if problem := dra_pool_part_problem(entry.resource):
-        raise ConfigError(where, f"resource {entry.resource!r} cannot be served through DRA: {problem}")
     part = dra_pool_part(entry.resource)
     if part in seen:
         raise ConfigError(where, f"resource {entry.resource!r} would publish the ResourceSlice pool <node>/{part}, "

@@ -53,16 +53,10 @@ def dns_subdomain_problem(name: str, max_length: int = 253) -> str | None:
 
 def dra_pool_part(resource: str) -> str:
     """A resource name made valid inside a ResourceSlice pool name (``<node>/<this>``): lower
-    case, ``_`` as ``-`` (``intel.com/sriov_vfs`` -> ``intel.com/sriov-vfs``)."""
+    case, ``_`` as ``-`` (``intel.com/sriov_vfs`` -> ``intel.com/sriov-vfs``). A resource name
+    the config accepts (a lower-case DNS subdomain, ``/``, letters, digits, ``_`` and ``-``
+    starting and ending with a letter or digit) always gives DNS subdomains this way."""
     return resource.lower().replace("_", "-")
-
-
-def dra_pool_part_problem(resource: str) -> str | None:
-    """Why ``dra_pool_part(resource)`` is not DNS subdomains separated by ``/``."""
-    for part in dra_pool_part(resource).split("/"):
-        if problem := dns_subdomain_problem(part):
-            return f"{dra_pool_part(resource)!r} is not a valid ResourceSlice pool name: {part!r} {problem}"
-    return None
 
 
 def resource_name_problem(resource_name: str) -> str | None:
