@@ -1,0 +1,148 @@
+"""One road per pool: the event loop decides, for each pool, whether the kubelet's device-plugin
+API or DRA serves it (or neither, while its slices are being withdrawn), and what each road
+must leave out; real endpoints show what the kubelet would see."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+import trio_asyncio
+
+from daemon.core import (
+    DEVICE_PLUGIN_ROAD,
+    DRA_ROAD,
+    WITHHELD_ROAD,
+    CheckpointChanged,
+    ClaimsChanged,
+    ConfigChanged,
+    DaemonConfig,
+    Event,
+    Notifier,
+    ResourcePool,
+    Resync,
+    parse_config,
+)
+from daemon.deviceplugin import Endpoints
+from daemon.loop import EventLoop
+from daemon.settings import Settings
+from tests.test_loop import CountingHandler, wait_for_socket, write_checkpoint
+
+
+def config_text(api: str) -> str:
+    return json.dumps({"resourceList": [
+        {"resourceName": "things", "deviceType": "counted", "selectors": {}, "allocationApi": api},
+        {"resourceName": "others", "deviceType": "counted", "selectors": {}},
+    ]})
+
+
+@dataclass
+class Roads:
+    loop: EventLoop
+    notifier: Notifier
+    send: trio.MemorySendChannel[Event]
+    claims: dict[tuple[str, str], str] = field(default_factory=dict)
+    withheld: set[str] = field(default_factory=set)
+    next_config: list[str] = field(default_factory=list)
+
+    async def handle(self, event: Event) -> None:
+        handled = self.loop.batches
+        await self.send.send(event)
+        with trio.fail_after(5):
+            await self.loop.wait_for_batches(handled + 1)
+
+    def pool(self, name: str = "things") -> ResourcePool:
+        return self.notifier.tree.pools[f"example.com/{name}"]
+
+
+@asynccontextmanager
+async def roads(tmp: Path, api: str) -> AsyncIterator[Roads]:
+    handler = CountingHandler()
+    parsers = {"counted": ("counting", handler.parse_pool)}
+    state: Roads | None = None
+
+    def load_config() -> DaemonConfig:
+        assert state is not None
+        return parse_config(state.next_config[0], "test", "example.com", parsers)
+
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
+        notifier = Notifier()
+        notifier.subscribe(Endpoints(settings, notifier, {"counting": handler}, nursery))
+        send, receive = trio.open_memory_channel[Event](16)
+        claims: dict[tuple[str, str], str] = {}
+        withheld: set[str] = set()
+        loop = EventLoop({"counting": handler}, parse_config(config_text(api), "test", "example.com", parsers),
+                         notifier, load_config, device_plugin_dir=tmp / "dp",
+                         claim_holders=lambda: claims, dra_withheld=lambda: frozenset(withheld))
+        nursery.start_soon(loop.run, receive)
+        state = Roads(loop, notifier, send, claims, withheld)
+        await state.handle(Resync(None, "start"))
+        yield state
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dra_pool_is_not_served_to_the_kubelet_and_a_device_plugin_pool_is(short_tmp):
+    async with roads(short_tmp, "dra") as running:
+        assert running.pool().road == DRA_ROAD
+        assert running.pool("others").road == DEVICE_PLUGIN_ROAD
+        await wait_for_socket(short_tmp / "dp", "example.com_others")
+        await trio.sleep(0.2)
+        assert not list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock"))
+
+
+async def test_moving_a_pool_to_dra_ends_its_kubelet_endpoint(short_tmp):
+    async with roads(short_tmp, "devicePlugin") as running:
+        await wait_for_socket(short_tmp / "dp", "example.com_things")
+        running.next_config.append(config_text("dra"))
+        await running.handle(ConfigChanged("test"))
+        assert running.pool().road == DRA_ROAD
+        await wait_for_socket(short_tmp / "dp", "example.com_things", present=False)
+        await wait_for_socket(short_tmp / "dp", "example.com_others")
+
+
+async def test_a_pool_moved_back_is_withheld_until_its_slices_are_gone(short_tmp):
+    async with roads(short_tmp, "dra") as running:
+        running.withheld.add("example.com/things")  # its slices are still on the API server
+        running.next_config.append(config_text("devicePlugin"))
+        await running.handle(ConfigChanged("test"))
+        assert running.pool().road == WITHHELD_ROAD
+        await trio.sleep(0.2)
+        assert not list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock"))
+        running.withheld.clear()
+        await running.handle(ClaimsChanged("slices withdrawn"))
+        assert running.pool().road == DEVICE_PLUGIN_ROAD
+        await wait_for_socket(short_tmp / "dp", "example.com_things")
+
+
+async def test_devices_prepared_for_claims_leave_the_kubelets_list_until_unprepared(short_tmp):
+    async with roads(short_tmp, "devicePlugin") as running:
+        running.claims[("example.com/things", "d1")] = "default/claim-a"
+        await running.handle(ClaimsChanged("prepared"))
+        assert running.pool().claimed == {"d1"}
+        assert [device_id for device_id, *_ in running.pool().listing] == ["d0"]
+        running.claims.clear()
+        await running.handle(ClaimsChanged("unprepared"))
+        assert [device_id for device_id, *_ in running.pool().listing] == ["d0", "d1"]
+
+
+async def test_a_dra_pool_keeps_out_what_pods_still_hold_through_the_device_plugin_api(short_tmp):
+    write_checkpoint(short_tmp / "dp", "d0")  # a pod got d0 while the pool was a device-plugin pool
+    async with roads(short_tmp, "dra") as running:
+        assert running.pool().kubelet_held == {"d0"}
+        assert running.pool().held("d0") and not running.pool().held("d1")
+        assert running.pool("others").kubelet_held == frozenset()  # not a DRA pool: not its business
+        write_checkpoint(short_tmp / "dp")  # the pod went
+        await running.handle(CheckpointChanged("test"))
+        assert running.pool().kubelet_held == frozenset()
+
+
+async def test_an_unreadable_checkpoint_holds_every_device_of_a_dra_pool(short_tmp):
+    (short_tmp / "dp").mkdir()
+    (short_tmp / "dp" / "kubelet_internal_checkpoint").write_text("{not json")
+    async with roads(short_tmp, "dra") as running:
+        assert running.pool().kubelet_held == {"d0", "d1"}
