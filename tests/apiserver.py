@@ -222,7 +222,8 @@ def _regex_error(message: str, fmt: str, *examples: str) -> str:
 
 
 def _nbytes(text: str) -> int:
-    return len(text.encode())
+    """Go's len(): bytes, not characters."""
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def _dns_label(value: str) -> list[str]:
@@ -861,7 +862,7 @@ class _Fault:
 
 
 _FAULT_MESSAGES = {
-    409: _MODIFIED, 429: "Too many requests, please try again later.",
+    409: _MODIFIED, 410: "too old resource version", 429: "Too many requests, please try again later.",
     500: "Internal error occurred: injected by the test",
     503: "the server is currently unable to handle the request",
     504: "Timeout: request did not complete within the allotted timeout",
@@ -895,8 +896,8 @@ class ApiServer:
         self.port = port
         self._cond = threading.Condition(threading.RLock())
         self._random = random.Random()
-        self._rv = 0
-        self._floor = 0  # watches from a resourceVersion below this are Expired
+        self._rv = 100  # a real cluster's resourceVersion is never 0, which means "any" to list and watch
+        self._floor = self._rv  # watches from a resourceVersion below this are Expired
         self._history: deque[_Event] = deque(maxlen=history)
         self._slices: dict[str, _Stored] = {}
         self._claims: dict[tuple[str, str], _Stored] = {}
@@ -908,6 +909,7 @@ class ApiServer:
         self._connections: dict[socket.socket, threading.Thread] = {}
         self._listener: _Listener | None = None
         self._closed = threading.Event()
+        self.internal_errors: list[str] = []  # the stand-in's own bugs, answered as 500s
 
     # -- life ----------------------------------------------------------------------------------
     def start(self) -> ApiServer:
@@ -1366,6 +1368,10 @@ users:
             response = self._route(method, parts, query, body, handler.headers.get("Content-Type") or "")
         except ApiError as error:
             response = _Response.of(error)
+        except Exception as error:  # noqa: BLE001 -- a bug here must not kill the connection's thread
+            with self._cond:
+                self.internal_errors.append(f"{method} {handler.path}: {error!r}")
+            response = _Response.of(ApiError(500, f"Internal error occurred: stand-in bug: {error!r}"))
         self._log(method, path, query, response.code)
         handler.reply(response)
 
@@ -1379,11 +1385,15 @@ users:
                 self._faults.remove(fault)
         if fault.delay:
             self._closed.wait(fault.delay)
-        if fault.status is not None:
-            headers = [("Retry-After", "1")] if fault.status == 429 else []
-            details = {"retryAfterSeconds": 1} if fault.status == 429 else None
-            raise ApiError(fault.status, fault.message or _FAULT_MESSAGES.get(fault.status, "injected by the test"),
-                           details=details, headers=headers)
+        if fault.status is None:
+            return
+        item = re.fullmatch(f"{SLICES_PATH}/([^/]+)", path)
+        if fault.status == 409 and item and not fault.message:
+            raise SLICES.conflict(unquote(item.group(1)), _MODIFIED)
+        headers = [("Retry-After", "1")] if fault.status == 429 else []
+        details = {"retryAfterSeconds": 1} if fault.status == 429 else None
+        raise ApiError(fault.status, fault.message or _FAULT_MESSAGES.get(fault.status, "injected by the test"),
+                       details=details, headers=headers)
 
     def _authenticate(self, authorization: str | None) -> None:
         if self.token is not None and authorization != f"Bearer {self.token}":
@@ -1468,7 +1478,10 @@ users:
         bookmarks = query.get("allowWatchBookmarks", "") in _TRUE
         rv_text = query.get("resourceVersion", "")
         initial = query.get("sendInitialEvents")
-        timeout = float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else self.watch_timeout
+        try:
+            timeout = float(query.get("timeoutSeconds") or 0) or self.watch_timeout
+        except ValueError:
+            raise ApiError(400, f"invalid timeoutSeconds: {query['timeoutSeconds']}") from None
         watcher = _Watcher(matches, bookmarks)
         with self._cond:
             if rv_text in ("", "0") or initial in _TRUE:
@@ -1491,7 +1504,9 @@ users:
                     for event in self._history:
                         if event.rv > since:
                             watcher.offer(event)
-            if not watcher.ended:
+            if self._listener is None:
+                watcher.aborted = True  # down() came between reading the request and now
+            elif not watcher.ended:
                 self._watchers.add(watcher)
             self._requests.append(Request("GET", path, query, 200))
             self._cond.notify_all()
