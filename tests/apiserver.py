@@ -1510,6 +1510,8 @@ users:
                 self._watchers.add(watcher)
             self._requests.append(Request("GET", path, query, 200))
             self._cond.notify_all()
+        threading.Thread(target=self._notice_hangup, args=(handler.connection, watcher), daemon=True,
+                         name=f"apiserver-standin-{self.port}-hangup").start()
         try:
             handler.start_chunked()
             self._stream(handler, watcher, time.monotonic() + timeout)
@@ -1518,6 +1520,18 @@ users:
         finally:
             with self._cond:
                 self._watchers.discard(watcher)
+                self._cond.notify_all()
+
+    def _notice_hangup(self, connection: socket.socket, watcher: _Watcher) -> None:
+        """End the watch as soon as the client closes the connection (a client sends nothing
+        during a watch), so that ``watch_count`` counts only watches someone is reading."""
+        try:
+            hung_up = not connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            hung_up = True
+        if hung_up:
+            with self._cond:
+                watcher.aborted = True
                 self._cond.notify_all()
 
     def _stream(self, handler: _Handler, watcher: _Watcher, deadline: float) -> None:

@@ -264,6 +264,14 @@ def test_watch_client_resumes_from_the_last_resource_version_when_the_server_end
     assert [w["resourceVersion"] for w in watches] == [since, first.metadata.resource_version]
 
 
+def test_a_watch_the_client_closes_ends_on_the_server_at_once(api: ApiServer, resource: ResourceV1Api) -> None:
+    watching = Watching(api, resource, 1, timeout_seconds=600)
+    resource.create_resource_slice(slice_body())
+
+    assert len(watching.join()) == 1
+    api.wait_until(lambda: api.watch_count == 0, timeout=2, what="the server to notice the hang-up")
+
+
 def test_watch_from_a_compacted_resource_version_is_410_expired(api: ApiServer, resource: ResourceV1Api) -> None:
     old = resource.list_resource_slice().metadata.resource_version
     resource.create_resource_slice(slice_body())
