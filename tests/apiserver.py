@@ -19,6 +19,13 @@ state sits behind one lock whose condition is notified on every change and every
 * Unknown fields are dropped with a ``Warning`` header (``fieldValidation=Strict``: 400), and
   fields behind feature gates that are off are dropped silently, as upstream's strategy does.
 * Faults (``fail_next``), a server that goes away (``down``/``up``), a bearer token (401).
+
+Not modelled, so refused or left out rather than faked: ``dryRun`` and list
+``resourceVersionMatch=Exact`` at an older version (400), RBAC and the node authorizer (one token;
+upstream answers a missing token with 403 as system:anonymous, this with 401), TLS, discovery,
+protobuf, server-side apply, finalizers and graceful deletion, managedFields, quantity
+canonicalization, strategic-merge directives, watches of claims or nodes, other API versions, and
+the scheduler (claims are what the test puts).
 """
 
 from __future__ import annotations
@@ -1402,6 +1409,11 @@ users:
     def _route(self, method: str, parts: list[str], query: dict[str, str], body: bytes,
                content_type: str) -> _Response:
         content_type = content_type.split(";")[0].strip()
+        if query.get("dryRun"):
+            raise ApiError(400, "dryRun is not modelled by the apiserver stand-in")
+        if query.get("resourceVersionMatch") == "Exact" and query.get("resourceVersion") != str(self.resource_version):
+            raise ApiError(400, "resourceVersionMatch=Exact at an older resourceVersion is not modelled by the "
+                                "apiserver stand-in")
         if parts == ["version"]:
             return _Response(200, _dumps({"major": "1", "minor": "35", "gitVersion": "v1.35.0-devplugd-standin",
                                           "platform": "linux/amd64"}))

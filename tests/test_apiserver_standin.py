@@ -531,6 +531,14 @@ def test_unknown_fields_are_dropped_with_a_warning_or_refused_when_strict(
     assert len(api.slices()) == 1
 
 
+def test_dry_run_is_refused_rather_than_written(api: ApiServer, resource: ResourceV1Api) -> None:
+    with pytest.raises(ApiException) as raised:
+        resource.create_resource_slice(slice_body(), dry_run="All")
+
+    assert raised.value.status == 400 and "not modelled" in error_of(raised)["message"]
+    assert api.slices() == []
+
+
 # -- delete ----------------------------------------------------------------------------------
 def test_delete_with_a_mismatched_precondition_is_409_and_keeps_the_slice(resource: ResourceV1Api) -> None:
     created = resource.create_resource_slice(slice_body())
