@@ -64,6 +64,16 @@ class InotifySource:
             if directory.is_dir():
                 self._watch(directory)
 
+    def add_socket_dir(self, directory: Path) -> None:
+        """Follow one more directory we serve sockets in (the DRA plugin's and the plugin
+        registry, once a pool is served through DRA)."""
+        if directory in self._socket_dirs:
+            return
+        self._directories.append(directory)
+        self._socket_dirs.add(directory)
+        if directory not in self._watched.values():
+            self._watch(directory)
+
     def close(self) -> None:
         self._inotify.close()
 
