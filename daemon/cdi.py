@@ -5,7 +5,9 @@ device per device ID with its device nodes, env and mounts. The kind is the reso
 valid for CDI (``<vendor>/<class>``: the class may not contain dots). ``cdiVersion`` is the
 lowest that carries what is used: 0.3.0, or 0.5.0 when a device node's host path differs from
 its container path (``hostPath``). Files are written atomically and only when their content
-changes; a pool that goes away takes its file with it. Only ``devplugd-*`` files are touched.
+changes; a pool that goes away takes its file with it. Only ``devplugd-*`` files are touched, and
+not the per-claim specs of DRA (``devplugd-claim-<claim UID>.json``, see ``daemon.dra``): those
+live as long as their claim is prepared, across restarts of the daemon.
 
 A device kept listed after it vanished (``ResourcePool.vanished``: a pod held it) is left out:
 there is nothing left to give, and a CDI name that does not resolve fails a container's creation
@@ -31,6 +33,7 @@ from daemon.files import write_atomically
 log = logging.getLogger("devplugd.cdi")
 
 FILE_PREFIX = "devplugd-"
+CLAIM_FILE_PREFIX = FILE_PREFIX + "claim-"
 SETTLE_SECONDS = 0.05  # specs follow a change this much later (timer armed only by a change)
 _CLASS_INVALID = re.compile(r"[^A-Za-z0-9_-]")
 _NAME_INVALID = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -71,6 +74,11 @@ def cdi_env_name(resource: str) -> str:
 
 def spec_file_name(resource: str) -> str:
     return FILE_PREFIX + cdi_kind(resource).replace("/", "-") + ".json"
+
+
+def claim_spec_file_name(claim_uid: str) -> str:
+    """The spec file of one prepared DRA claim."""
+    return f"{CLAIM_FILE_PREFIX}{claim_uid}.json"
 
 
 def container_edits(
@@ -161,13 +169,13 @@ class CdiWriter:
                 await trio.to_thread.run_sync(self.update, tree)
 
     def remove_all(self) -> None:
-        """Remove every devplugd CDI spec (at start and at stop)."""
+        """Remove every devplugd CDI spec of a pool (at start and at stop); claims' specs stay."""
         try:
             names = os.listdir(self._directory)
         except OSError:
             return
         for name in names:
-            if name.startswith(FILE_PREFIX) and name.endswith(".json"):
+            if name.startswith(FILE_PREFIX) and name.endswith(".json") and not name.startswith(CLAIM_FILE_PREFIX):
                 (self._directory / name).unlink(missing_ok=True)
         self._written.clear()
         self._built.clear()
