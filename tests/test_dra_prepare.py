@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import json
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import trio
+import trio_asyncio
+from trio_asyncio import aio_as_trio
 
 from daemon.cdi import CdiWriter
 from daemon.core import (
@@ -26,6 +30,7 @@ from daemon.core import (
 from daemon.dra import device_name, pool_name
 from daemon.dra._claims import CLAIMS_FILE, ClaimBook, ClaimRef
 from daemon.dra._prepare import ClaimNotFound, ClaimPreparer, PrepareResult
+from daemon.sockets import start_unix_server
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
 from tests.test_devnode_handler import DevNodes, mknod
@@ -684,3 +689,44 @@ async def test_unexpected_failure_is_the_claims_error(node: Node) -> None:
     good = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])]))
     answer = await node.prepare_one(good)
     assert answer.error == "claim default/vfs: internal error: RuntimeError: tree unavailable"
+
+
+# -- over gRPC (once the generated DRA modules are there) -------------------------------------
+
+
+async def test_servicer_answers_every_claim_over_grpc(node: Node, short_tmp: Path) -> None:
+    api = pytest.importorskip("daemon._generated.dra.v1.api_pb2")
+    api_grpc = pytest.importorskip("daemon._generated.dra.v1.api_pb2_grpc")
+    servicer = importlib.import_module("daemon.dra._servicer")
+    good = node.api.add(claim_json(1, "good", [result(DPDK, VFIO_VFS[0], "dpdk/big")]))
+    bad = node.api.add(claim_json(2, "bad", [result(NET, "0000:3b:09.0")]))
+    claims = [api.Claim(namespace=ref.namespace, uid=ref.uid, name=ref.name)
+              for ref in (good, bad, ClaimRef("default", uid(3), "deleted"))]
+    socket = short_tmp / "dra.sock"
+
+    async def call() -> tuple[Any, Any]:
+        async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+            stub = api_grpc.DRAPluginStub(channel)
+            prepared = await stub.NodePrepareResources(api.NodePrepareResourcesRequest(claims=claims), timeout=45)
+            unprepared = await stub.NodeUnprepareResources(api.NodeUnprepareResourcesRequest(claims=claims),
+                                                           timeout=45)
+            return prepared, unprepared
+
+    async with trio_asyncio.open_loop():
+        server = grpc.aio.server()
+        servicer.add_to_server(servicer.DraPluginServicer(node.preparer), server)
+        await aio_as_trio(start_unix_server)(server, str(socket))
+        try:
+            prepared, unprepared = await aio_as_trio(call)()
+        finally:
+            await aio_as_trio(server.stop)(0)
+    assert sorted(prepared.claims) == [uid(1), uid(2), uid(3)]
+    (device,) = prepared.claims[uid(1)].devices
+    assert (list(device.request_names), device.pool_name, device.device_name, list(device.cdi_device_ids)) == (
+        ["dpdk"], "node1/intel.com/dpdk", "0000-3b-02-2", [f"devplugd.io/claim={uid(1)}-0000-3b-02-2"])
+    assert prepared.claims[uid(1)].error == ""
+    assert prepared.claims[uid(2)].error == "claim default/bad: device '0000-3b-09-0' is not in pool 'node1/intel.com/sriov-net'"
+    assert list(prepared.claims[uid(2)].devices) == []
+    assert prepared.claims[uid(3)].error == "claim default/deleted not found on the API server (deleted?)"
+    assert {key: value.error for key, value in unprepared.claims.items()} == {uid(1): "", uid(2): "", uid(3): ""}
+    assert not node.spec_path(uid(1)).exists()
