@@ -5,7 +5,9 @@ device per device ID with its device nodes, env and mounts. The kind is the reso
 valid for CDI (``<vendor>/<class>``: the class may not contain dots). ``cdiVersion`` is the
 lowest that carries what is used: 0.3.0, or 0.5.0 when a device node's host path differs from
 its container path (``hostPath``). Files are written atomically and only when their content
-changes; a pool that goes away takes its file with it. Only ``devplugd-*`` files are touched.
+changes; a pool that goes away takes its file with it. Only ``devplugd-*`` files are touched, and
+not the per-claim specs of DRA (``devplugd-claim-<claim UID>.json``, see ``daemon.dra``): those
+live as long as their claim is prepared, across restarts of the daemon.
 
 A device kept listed after it vanished (``ResourcePool.vanished``: a pod held it) is left out:
 there is nothing left to give, and a CDI name that does not resolve fails a container's creation
@@ -19,18 +21,19 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from daemon.core import ContainerAllocation, DeviceInfo, DeviceTree, LatestValue, ResourcePool
+from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, DeviceTree, LatestValue, Mount, ResourcePool
 from daemon.files import write_atomically
 
 log = logging.getLogger("devplugd.cdi")
 
 FILE_PREFIX = "devplugd-"
+CLAIM_FILE_PREFIX = FILE_PREFIX + "claim-"
 SETTLE_SECONDS = 0.05  # specs follow a change this much later (timer armed only by a change)
 _CLASS_INVALID = re.compile(r"[^A-Za-z0-9_-]")
 _NAME_INVALID = re.compile(r"[^A-Za-z0-9_.:-]")
@@ -73,12 +76,20 @@ def spec_file_name(resource: str) -> str:
     return FILE_PREFIX + cdi_kind(resource).replace("/", "-") + ".json"
 
 
-def _device_entry(device_id: str, info: DeviceInfo, env_name: str) -> tuple[dict[str, Any], bool]:
-    """One CDI device, and whether it needs ``hostPath`` (cdiVersion 0.5.0)."""
+def claim_spec_file_name(claim_uid: str) -> str:
+    """The spec file of one prepared DRA claim."""
+    return f"{CLAIM_FILE_PREFIX}{claim_uid}.json"
+
+
+def container_edits(
+    specs: Iterable[DeviceSpec], mounts: Iterable[Mount], envs: Mapping[str, str]
+) -> tuple[dict[str, Any], bool]:
+    """CDI ``containerEdits`` for device nodes, env (sorted) and bind mounts (each key only when
+    it has entries), and whether a node needs ``hostPath`` (cdiVersion 0.5.0)."""
     edits: dict[str, Any] = {}
     needs_host_path = False
     nodes = []
-    for spec in info.specs:
+    for spec in specs:
         node = {"path": spec.container_path, "permissions": spec.permissions}
         if spec.host_path != spec.container_path:
             node["hostPath"] = spec.host_path
@@ -86,14 +97,25 @@ def _device_entry(device_id: str, info: DeviceInfo, env_name: str) -> tuple[dict
         nodes.append(node)
     if nodes:
         edits["deviceNodes"] = nodes
-    envs = {**info.envs, env_name: device_id}
-    edits["env"] = [f"{key}={value}" for key, value in sorted(envs.items())]
-    if info.mounts:
-        edits["mounts"] = [
-            {"hostPath": m.host_path, "containerPath": m.container_path,
-             "options": ["bind", "ro" if m.read_only else "rw"]}
-            for m in info.mounts
-        ]
+    if envs:
+        edits["env"] = [f"{key}={value}" for key, value in sorted(envs.items())]
+    mount_list = [
+        {"hostPath": m.host_path, "containerPath": m.container_path, "options": ["bind", "ro" if m.read_only else "rw"]}
+        for m in mounts
+    ]
+    if mount_list:
+        edits["mounts"] = mount_list
+    return edits, needs_host_path
+
+
+def cdi_version(needs_host_path: bool) -> str:
+    """The lowest cdiVersion that carries what a spec uses."""
+    return "0.5.0" if needs_host_path else "0.3.0"
+
+
+def _device_entry(device_id: str, info: DeviceInfo, env_name: str) -> tuple[dict[str, Any], bool]:
+    """One CDI device, and whether it needs ``hostPath`` (cdiVersion 0.5.0)."""
+    edits, needs_host_path = container_edits(info.specs, info.mounts, {**info.envs, env_name: device_id})
     return {"name": cdi_device_name(device_id), "containerEdits": edits}, needs_host_path
 
 
@@ -114,7 +136,7 @@ def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments
             entry, needs_host_path = _device_entry(device_id, info, env_name)
             cached = (info, json.dumps(entry, separators=(",", ":")).encode(), needs_host_path)
         fragments[device_id] = cached
-    version = "0.5.0" if any(needs for _, _, needs in fragments.values()) else "0.3.0"
+    version = cdi_version(any(needs for _, _, needs in fragments.values()))
     head = json.dumps({"cdiVersion": version, "kind": cdi_kind(pool.resource)}, separators=(",", ":"))
     content = head[:-1].encode() + b',"devices":[' + b",".join(f for _, f, _ in fragments.values()) + b"]}"
     return content, fragments
@@ -147,13 +169,13 @@ class CdiWriter:
                 await trio.to_thread.run_sync(self.update, tree)
 
     def remove_all(self) -> None:
-        """Remove every devplugd CDI spec (at start and at stop)."""
+        """Remove every devplugd CDI spec of a pool (at start and at stop); claims' specs stay."""
         try:
             names = os.listdir(self._directory)
         except OSError:
             return
         for name in names:
-            if name.startswith(FILE_PREFIX) and name.endswith(".json"):
+            if name.startswith(FILE_PREFIX) and name.endswith(".json") and not name.startswith(CLAIM_FILE_PREFIX):
                 (self._directory / name).unlink(missing_ok=True)
         self._written.clear()
         self._built.clear()

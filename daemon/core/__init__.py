@@ -45,6 +45,7 @@ from ._handler import (
     PoolLifecycle,
     PostAllocator,
     PreferredAllocator,
+    SideFileReleaser,
     allocate_container,
     tell_lifecycle,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "ResourceDiff",
     "ResourcePool",
     "Resync",
+    "SideFileReleaser",
     "Subscriber",
     "SysfsError",
     "TreeDiff",

@@ -7,8 +7,9 @@ It carries the contract of Intel's device plugin framework into an event-driven 
   resource as ``DeviceInfo`` (health, topology, device specs, mounts, envs, annotations);
 * the optional protocols below are opt-in by implementing them: ``Allocator`` (with
   ``UseDefault`` to fall back to the core's default answer), ``PostAllocator``,
-  ``PreferredAllocator``, ``ContainerPreStarter``, and ``PoolLifecycle`` for work done when pools
-  start and stop serving;
+  ``PreferredAllocator``, ``ContainerPreStarter``, ``PoolLifecycle`` for work done when pools
+  start and stop serving, and ``SideFileReleaser`` for the side files of devices whose DRA claim
+  was unprepared;
 * two optional hints for the event loop, looked up by name: ``fold_may_block(facts, event)``
   (True: fold this event in a worker thread, its reads may wait on the kernel) and
   ``health_step(event)`` (``HEALTH_LOST`` / ``HEALTH_RESTORED`` / ``None``: the loop never folds a
@@ -163,6 +164,15 @@ class ContainerPreStarter(Protocol):
 
 
 @runtime_checkable
+class SideFileReleaser(Protocol):
+    def release_side_files(self, pool: ResourcePool, device_ids: Sequence[str]) -> None:
+        """Remove the side files ``post_allocate`` wrote for these devices: the DRA claim they
+        were prepared for is unprepared. Device-plugin allocations never end this way (the
+        kubelet does not say when a pod lets go); their files go when the pool stops."""
+        ...
+
+
+@runtime_checkable
 class PoolLifecycle(Protocol[SpecT]):
     """Generic over the handler's pool spec: it hears of its own pools (``Handler[..., SpecT]``)."""
 
@@ -203,6 +213,7 @@ class Hooks:
     preferred: PreferredAllocator | None = None
     pre_starter: ContainerPreStarter | None = None
     describer: DeviceDescriber | None = None
+    releaser: SideFileReleaser | None = None
 
     @classmethod
     def of(cls, handler: AnyHandler) -> Hooks:
@@ -213,6 +224,7 @@ class Hooks:
             preferred=handler if isinstance(handler, PreferredAllocator) else None,
             pre_starter=handler if isinstance(handler, ContainerPreStarter) else None,
             describer=handler if isinstance(handler, DeviceDescriber) else None,
+            releaser=handler if isinstance(handler, SideFileReleaser) else None,
         )
 
     @property

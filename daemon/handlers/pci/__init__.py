@@ -40,6 +40,7 @@ from ._allocation import (
     VFIO_DRIVER,
     PciDetails,
     allocation_envs,
+    devinfo_file_name,
     first_per_host_path,
     kubevirt_env_name,
     remove_devinfo_files,
@@ -55,7 +56,7 @@ from ._preferred import POLICIES, preferred_devices
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 if TYPE_CHECKING:
-    from daemon.core import Handler, PoolLifecycle, PostAllocator, PreferredAllocator
+    from daemon.core import Handler, PoolLifecycle, PostAllocator, PreferredAllocator, SideFileReleaser
 
 log = logging.getLogger("devplugd.pci")
 
@@ -218,6 +219,18 @@ class PciHandler:
     def pools_stopped(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         self._remove_devinfo(pools)
 
+    # SideFileReleaser: a DRA claim unprepared takes its devices' device-info files with it.
+    def release_side_files(self, pool: ResourcePool, device_ids: Sequence[str]) -> None:
+        """Remove the device-info file of every function handed out under ``device_ids`` (a
+        device no longer in the pool: the file named by its ID, its lowest function's address)."""
+        if pool.pool_config.entry.device_type != NET_DEVICE:
+            return
+        for device_id in device_ids:
+            info = pool.devices.get(device_id)
+            addresses = [r.device.address for r in info.details.functions] if info is not None else [device_id]
+            for address in addresses:
+                (self._context.devinfo_dir / devinfo_file_name(pool.resource, address)).unlink(missing_ok=True)
+
     def _remove_devinfo(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         for pool in pools:
             if pool.entry.device_type == NET_DEVICE:
@@ -239,4 +252,5 @@ if TYPE_CHECKING:
     _post_allocator: type[PostAllocator] = PciHandler
     _preferred_allocator: type[PreferredAllocator] = PciHandler
     _lifecycle: type[PoolLifecycle[PciPoolSpec]] = PciHandler
+    _releaser: type[SideFileReleaser] = PciHandler
 
