@@ -111,12 +111,14 @@ async def serving_dra(
     resend_interval: float = 10.0,
     with_inotify: bool = True,
     tree: DeviceTree | None = None,
+    dra_health_gate: bool = True,
 ) -> AsyncIterator[DraRig]:
     """DraSockets serving in this trio run (started: both sockets served), a kubelet stand-in
     watching the registry directory, and inotify on both socket directories; ``tree`` is
     published before anything is served."""
     settings = dra_settings(directory)
-    kubelet = FakeKubelet(settings.device_plugin_dir, settings.plugins_registry_dir, kubelet_versions=kubelet_versions)
+    kubelet = FakeKubelet(settings.device_plugin_dir, settings.plugins_registry_dir, kubelet_versions=kubelet_versions,
+                          dra_health_gate=dra_health_gate)
     kubelet.start()
     try:
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:

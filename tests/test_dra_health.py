@@ -168,5 +168,16 @@ async def test_a_stream_ends_and_unsubscribes_when_the_kubelet_goes(short_tmp):
         assert rig.kubelet.dra_health(DRIVER) == {}
 
 
+async def test_a_kubelet_without_the_health_gate_opens_no_stream_until_asked(short_tmp):
+    async with serving_dra(short_tmp, dra_health_gate=False, tree=DeviceTree.build(1, [pool(X, {"d1": DeviceInfo()})])
+                           ) as rig:
+        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER)
+        await trio.sleep(0.1)
+        assert rig.health.stream_count == 0 and rig.kubelet.dra_state(DRIVER).health_streams == 0
+        await rig.kubelet_call(rig.kubelet.watch_health, DRIVER)
+        health = await rig.kubelet_call(rig.kubelet.wait_for_health, lambda h: h != {}, DRIVER)
+        assert health == {key(X, "d1"): ("Healthy", "")}
+
+
 def test_health_statuses_are_the_kubelets_numbers():
     assert (dra_health.UNKNOWN, dra_health.HEALTHY, dra_health.UNHEALTHY) == (0, 1, 2)
