@@ -16,6 +16,26 @@ under test runs as a real process.
   validate, connect, GetDevicePluginOptions, ListAndWatch, NotifyRegistrationStatus.
 * ``write_checkpoint`` writes ``kubelet_internal_checkpoint`` as the kubelet's file store does
   (a temporary ``.``-file in the same directory, renamed into place): which pod holds which device.
+
+The DRA manager's side (dra-api.md §1, §2.2, §3.2), through the same plugin watcher:
+
+* a ``DRAPlugin`` registration socket gets GetInfo; the service is chosen by walking the plugin's
+  ``supported_versions`` in its order and taking the first this kubelet supports
+  (``kubelet_versions``, by default ``v1.DRAPlugin`` and ``v1beta1.DRAPlugin``), or refused with
+  the kubelet's error strings; then the endpoint is dialled (stricter than the kubelet, which
+  connects lazily: a plugin that registers before it serves fails here) and
+  NotifyRegistrationStatus is called. A registration socket that is removed or re-created
+  deregisters the plugin (its connection closed, its health cleared), as the kubelet does.
+* ``prepare`` / ``unprepare`` call NodePrepareResources / NodeUnprepareResources through the
+  chosen version's stubs with a 45 s deadline and apply the kubelet's response rules
+  (``DraCallError``: unknown claim UIDs, skipped claims, a claim's error).
+* when the plugin advertises ``v1alpha1.DRAResourceHealth`` (and ``dra_health_gate``), a
+  NodeWatchResources stream is kept open (again 5 s after it ends, as 1.34 kubelets retry); each
+  message updates the driver's health cache the kubelet's way (stamped on arrival, Unknown once
+  older than its timeout, cleared when the stream ends); ``dra_health`` reads it.
+* ``restart_dra()`` plays the kubelet's restart for DRA: its connections close, and the
+  registration sockets and endpoints of the DRA plugins are removed (as the kubelet's plugin
+  directory clean-up does); the plugins are registered again when their sockets come back.
 """
 
 from __future__ import annotations
@@ -36,11 +56,28 @@ import grpc
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
+from daemon._generated.dra.v1 import api_pb2 as dra_v1
+from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
+from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
+from daemon._generated.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
+from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as dra_health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from daemon.core import extended_resource_name_problem
 
 CHECKPOINT = "kubelet_internal_checkpoint"
+
+# servicesSupportedByKubelet, and the stubs each one is called through
+DRA_SERVICES: dict[str, tuple[Any, Any]] = {
+    "v1.DRAPlugin": (dra_v1, dra_v1_grpc),
+    "v1beta1.DRAPlugin": (dra_v1beta1, dra_v1beta1_grpc),
+}
+DRA_HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
+DRA_CALL_TIMEOUT = 45.0  # defaultClientCallTimeout
+DRA_DEFAULT_HEALTH_TIMEOUT = 30.0  # DefaultHealthTimeout
+DRA_HEALTH_RETRY = 5.0  # wait.UntilWithContext(..., 5*time.Second)
+_HEALTH_NAMES = {dra_health.HEALTHY: "Healthy", dra_health.UNHEALTHY: "Unhealthy"}
 
 
 @dataclass
@@ -72,10 +109,79 @@ class ResourceState:
         return {i for i, (health, _) in self.devices.items() if health == "Healthy"}
 
 
+class DraCallError(Exception):
+    """A DRA call the kubelet fails because of the plugin's answer (dra-api.md §1.4)."""
+
+
+@dataclass(frozen=True)
+class DeviceHealthRecord:
+    """One device in the kubelet's DRA health cache."""
+
+    health: str  # "Healthy", "Unhealthy" or "Unknown"
+    message: str
+    timeout: float  # seconds: health_check_timeout_seconds if > 0, else the default
+    received_at: float  # time.monotonic() when the message arrived (the kubelet's LastUpdated)
+    last_updated_time: int  # as the plugin sent it (the kubelet does not use it)
+
+    def current(self, now: float) -> str:
+        return "Unknown" if now - self.received_at > self.timeout else self.health
+
+
+@dataclass
+class DraRegistration:
+    """One registered DRA plugin instance (a registration socket)."""
+
+    driver: str
+    registration_socket: str
+    endpoint: str
+    service: str  # the chosen DRAPlugin service, "v1.DRAPlugin" or "v1beta1.DRAPlugin"
+    supported_versions: tuple[str, ...]
+    channel: grpc.aio.Channel
+    health_task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class DraDriverState:
+    """What the kubelet knows about one DRA driver."""
+
+    registrations: int = 0
+    deregistrations: int = 0
+    registered: bool = False
+    service: str = ""
+    endpoint: str = ""
+    supported_versions: tuple[str, ...] = ()
+    registered_at: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    health: dict[tuple[str, str], DeviceHealthRecord] = field(default_factory=dict)
+    health_messages: list[dict[tuple[str, str], DeviceHealthRecord]] = field(default_factory=list)
+    health_streams: int = 0  # NodeWatchResources streams opened
+
+    def current_health(self, now: float | None = None) -> dict[tuple[str, str], tuple[str, str]]:
+        """(pool, device) -> (health, message), with the timeout rule applied."""
+        moment = time.monotonic() if now is None else now
+        return {key: (record.current(moment), record.message if record.current(moment) != "Unknown" else "")
+                for key, record in self.health.items()}
+
+
+def _go_quoted(values: Any) -> str:
+    """Go's %q of a []string: ["a" "b"]."""
+    return "[" + " ".join(json.dumps(str(value)) for value in values) + "]"
+
+
 class FakeKubelet:
-    def __init__(self, device_plugin_dir: Path, plugins_registry_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        device_plugin_dir: Path,
+        plugins_registry_dir: Path | None = None,
+        kubelet_versions: tuple[str, ...] = tuple(DRA_SERVICES),
+        dra_health_gate: bool = True,
+    ) -> None:
         self.device_plugin_dir = device_plugin_dir
         self.plugins_registry_dir = plugins_registry_dir
+        self.kubelet_versions = kubelet_versions
+        self.dra_health_gate = dra_health_gate
+        self.dra: dict[str, DraDriverState] = {}
+        self._dra_registrations: dict[str, DraRegistration] = {}  # by registration socket
         self.socket_path = device_plugin_dir / "kubelet.sock"
         self.resources: dict[str, ResourceState] = {}
         self.register_errors: list[str] = []
@@ -178,6 +284,65 @@ class FakeKubelet:
             return await getattr(stub, method)(request, timeout=timeout)
         return self._call(invoke(), timeout + 5)
 
+    # -- DRA, thread-safe API for tests --------------------------------------------------------
+    def dra_state(self, driver: str) -> DraDriverState:
+        return self.dra.setdefault(driver, DraDriverState())
+
+    def wait_for_dra(self, driver: str, registrations: int = 1, timeout: float = 10.0) -> DraDriverState:
+        """Until ``driver`` is registered and has been at least ``registrations`` times."""
+        self.wait_for(lambda k: k.dra_state(driver).registered and k.dra_state(driver).registrations >= registrations,
+                      timeout, f"DRA driver {driver} registered ({registrations} registrations)")
+        return self.dra_state(driver)
+
+    def prepare(
+        self, claims: list[tuple[str, str, str]], driver: str | None = None,
+        timeout: float = DRA_CALL_TIMEOUT, fail_on_claim_error: bool = True,
+    ) -> dict[str, Any]:
+        """NodePrepareResources for ``claims`` ((namespace, uid, name), one pod's batch): the
+        answer per claim UID, in the chosen version's messages. Raises DraCallError as the kubelet
+        fails (an unknown UID, skipped claims, and, with ``fail_on_claim_error``, a claim's error)
+        and grpc.RpcError for a gRPC error."""
+        return self._call(self._dra_call("NodePrepareResources", claims, driver, timeout, fail_on_claim_error),
+                          timeout + 5)
+
+    def unprepare(
+        self, claims: list[tuple[str, str, str]], driver: str | None = None,
+        timeout: float = DRA_CALL_TIMEOUT, fail_on_claim_error: bool = True,
+    ) -> dict[str, Any]:
+        """NodeUnprepareResources, as ``prepare``."""
+        return self._call(self._dra_call("NodeUnprepareResources", claims, driver, timeout, fail_on_claim_error),
+                          timeout + 5)
+
+    def watch_health(self, driver: str | None = None) -> DraDriverState:
+        """Open NodeWatchResources on ``driver``'s plugin unless a stream is open already (a
+        kubelet with ``dra_health_gate`` opens it itself); the state holds the latest list."""
+        async def open_stream() -> DraDriverState:
+            registration = self._dra_plugin(driver)
+            if registration.health_task is None or registration.health_task.done():
+                registration.health_task = asyncio.ensure_future(self._watch_dra_health(registration))
+            return self.dra_state(registration.driver)
+        return self._call(open_stream())
+
+    def dra_health(self, driver: str | None = None) -> dict[tuple[str, str], tuple[str, str]]:
+        """The kubelet's health cache for ``driver``: (pool, device) -> (health, message), a
+        device Unknown once its last report is older than its timeout."""
+        name = driver if driver is not None else self._only_driver()
+        return self.dra_state(name).current_health()
+
+    def wait_for_health(
+        self, predicate: Callable[[dict[tuple[str, str], tuple[str, str]]], bool], driver: str | None = None,
+        timeout: float = 10.0, what: str = "",
+    ) -> dict[tuple[str, str], tuple[str, str]]:
+        self.wait_for(lambda k: predicate(k.dra_health(driver)), timeout, what or "DRA health")
+        return self.dra_health(driver)
+
+    def restart_dra(self) -> list[str]:
+        """The kubelet restarts as far as DRA goes: its DRA connections close, the registration
+        sockets and endpoints of the DRA plugins are removed; the plugin watcher starts again
+        and registers every plugin whose socket comes back. Returns the paths removed."""
+        return self._call(self._restart_dra())
+
+
     # -- the kubelet side ---------------------------------------------------------------------
     def _notify(self) -> None:
         with self._condition:
@@ -200,6 +365,8 @@ class FakeKubelet:
             self._watcher_task = None
         for client in list(self._clients.values()):
             await self._disconnect(client)
+        for path in list(self._dra_registrations):
+            await self._deregister_dra(path)
         if self._server is not None:
             await self._server.stop(0)
             self._server = None
@@ -257,6 +424,7 @@ class FakeKubelet:
         assert self.plugins_registry_dir is not None
         seen: dict[str, float] = {}
         while True:
+            present: set[str] = set()
             for directory, _, files in os.walk(self.plugins_registry_dir):
                 for name in files:
                     path = Path(directory) / name
@@ -266,10 +434,16 @@ class FakeKubelet:
                         continue
                     if name.startswith(".") or not stat.S_ISSOCK(status.st_mode):
                         continue
+                    present.add(str(path))
                     if seen.get(str(path)) == status.st_mtime:
                         continue
+                    if str(path) in seen:  # re-created: the old registration goes first
+                        await self._deregister_dra(str(path))
                     seen[str(path)] = status.st_mtime
                     asyncio.ensure_future(self._register_from_watcher(path))
+            for gone in [p for p in seen if p not in present]:
+                del seen[gone]
+                await self._deregister_dra(gone)
             await asyncio.sleep(0.05)
 
     async def _register_from_watcher(self, path: Path) -> None:
@@ -279,13 +453,15 @@ class FakeKubelet:
             stub = reg_grpc.RegistrationStub(channel)
             info = await stub.GetInfo(reg.InfoRequest(), timeout=1)
             error = ""
-            if info.type != "DevicePlugin":
+            if info.type == "DRAPlugin":
+                error = await self._register_dra(path, info)
+            elif info.type != "DevicePlugin":
                 error = f"no handler for plugin type {info.type!r}"
             elif "v1beta1" not in info.supported_versions:
                 error = f"manager version, v1beta1, is not among plugin supported versions {list(info.supported_versions)}"
             elif problem := extended_resource_name_problem(info.name):
                 error = f"the ResourceName {info.name!r} is invalid: {problem}"
-            if not error:
+            if not error and info.type == "DevicePlugin":
                 try:
                     await self.connect(info.name, Path(info.endpoint) if info.endpoint else path, "watcher")
                 except Exception as failure:
@@ -298,6 +474,144 @@ class FakeKubelet:
         finally:
             await channel.close()
             self._notify()
+
+
+    # -- the DRA manager's side ----------------------------------------------------------------
+    def _only_driver(self) -> str:
+        drivers = sorted({registration.driver for registration in self._dra_registrations.values()} or self.dra)
+        if len(drivers) != 1:
+            raise AssertionError(f"kubelet stand-in: name the DRA driver, there are {drivers}")
+        return drivers[0]
+
+    def _dra_plugin(self, driver: str | None) -> DraRegistration:
+        """GetPlugin: the most recently registered instance of the driver."""
+        name = driver if driver is not None else self._only_driver()
+        instances = [r for r in self._dra_registrations.values() if r.driver == name]
+        if not instances:
+            raise DraCallError(f"DRA driver {name} is not registered")
+        return instances[-1]
+
+    def _choose_dra_service(self, versions: list[str]) -> tuple[str, str]:
+        """validateSupportedServices: (chosen service, "") or ("", error)."""
+        if not versions:
+            return "", "empty list of supported gRPC services (aka supported versions)"
+        for version in versions:
+            if version in self.kubelet_versions:
+                return version, ""
+        return "", (f"none of services supported by the plugin ({_go_quoted(versions)}) "
+                    f"are supported by the kubelet ({_go_quoted(self.kubelet_versions)})")
+
+    async def _register_dra(self, path: Path, info: reg.PluginInfo) -> str:
+        """ValidatePlugin and RegisterPlugin for a DRAPlugin socket; the error, or ""."""
+        endpoint = info.endpoint or str(path)
+        versions = list(info.supported_versions)
+        state = self.dra_state(info.name)
+        service, problem = self._choose_dra_service(versions)
+        if problem:
+            error = (f"RegisterPlugin error -- plugin validation failed with err: invalid supported gRPC versions "
+                     f"of DRA driver plugin {info.name} at endpoint {endpoint}: {problem}")
+        elif not info.name:
+            error = "RegisterPlugin error -- plugin validation failed with err: DRA driver name is empty"
+        elif any(r.driver == info.name and r.endpoint == endpoint for r in self._dra_registrations.values()):
+            error = f"endpoint {endpoint} already registered for DRA driver plugin {info.name}"
+        else:
+            channel = grpc.aio.insecure_channel(f"unix://{endpoint}")
+            try:
+                await asyncio.wait_for(channel.channel_ready(), 10)
+            except (TimeoutError, grpc.RpcError) as failure:
+                await channel.close()
+                error = f"failed to connect to DRA driver {info.name} at {endpoint}: {failure!r}"
+            else:
+                registration = DraRegistration(info.name, str(path), endpoint, service, tuple(versions), channel)
+                self._dra_registrations[str(path)] = registration
+                state.registrations += 1
+                state.registered = True
+                state.service, state.endpoint, state.supported_versions = service, endpoint, tuple(versions)
+                state.registered_at = time.monotonic()
+                if self.dra_health_gate and DRA_HEALTH_SERVICE in versions:
+                    registration.health_task = asyncio.ensure_future(self._watch_dra_health(registration))
+                self._notify()
+                return ""
+        state.errors.append(error)
+        return error
+
+    async def _deregister_dra(self, registration_socket: str) -> None:
+        """DeRegisterPlugin: close the connection, end the health stream (clearing the health)."""
+        registration = self._dra_registrations.pop(registration_socket, None)
+        if registration is None:
+            return
+        if registration.health_task is not None:
+            registration.health_task.cancel()
+        await registration.channel.close()
+        state = self.dra_state(registration.driver)
+        state.health = {}
+        state.deregistrations += 1
+        state.registered = any(r.driver == registration.driver for r in self._dra_registrations.values())
+        self._notify()
+
+    async def _watch_dra_health(self, registration: DraRegistration) -> None:
+        """NodeWatchResources, opened again DRA_HEALTH_RETRY after it ends while registered."""
+        state = self.dra_state(registration.driver)
+        stub = dra_health_grpc.DRAResourceHealthStub(registration.channel)
+        while self._dra_registrations.get(registration.registration_socket) is registration:
+            state.health_streams += 1
+            try:
+                async for message in stub.NodeWatchResources(dra_health.NodeWatchResourcesRequest()):
+                    now = time.monotonic()
+                    reported = {
+                        (d.device.pool_name, d.device.device_name): DeviceHealthRecord(
+                            _HEALTH_NAMES.get(d.health, "Unknown"), d.message[:1024],
+                            float(d.health_check_timeout_seconds) if d.health_check_timeout_seconds > 0
+                            else DRA_DEFAULT_HEALTH_TIMEOUT, now, d.last_updated_time)
+                        for d in message.devices
+                    }
+                    # updateHealthInfo: reported devices replaced, the others left to time out
+                    state.health = {**state.health, **reported}
+                    state.health_messages.append(reported)
+                    self._notify()
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                if self._dra_registrations.get(registration.registration_socket) is registration:
+                    state.health = {}  # clearDriver, when the stream ends (deregistering clears it too)
+                    self._notify()
+            await asyncio.sleep(DRA_HEALTH_RETRY)
+
+    async def _dra_call(
+        self, method: str, claims: list[tuple[str, str, str]], driver: str | None, timeout: float,
+        fail_on_claim_error: bool,
+    ) -> dict[str, Any]:
+        registration = self._dra_plugin(driver)
+        messages, stubs = DRA_SERVICES[registration.service]
+        request = getattr(messages, f"{method}Request")(
+            claims=[messages.Claim(namespace=namespace, uid=uid, name=name) for namespace, uid, name in claims])
+        response = await getattr(stubs.DRAPluginStub(registration.channel), method)(request, timeout=timeout)
+        names = {uid: name for _, uid, name in claims}
+        for uid, result in response.claims.items():
+            if uid not in names:
+                raise DraCallError(f"{method} returned result for unknown claim UID {uid}")
+            if result.error and fail_on_claim_error:
+                raise DraCallError(f"{method} failed for ResourceClaim {names[uid]}: {result.error}")
+        unfinished = len(claims) - len(response.claims)
+        if unfinished != 0:
+            raise DraCallError(f"{method} skipped {unfinished} ResourceClaims")
+        return dict(response.claims)
+
+    async def _restart_dra(self) -> list[str]:
+        if self._watcher_task is not None:
+            self._watcher_task.cancel()
+            self._watcher_task = None
+        removed: list[str] = []
+        for registration in list(self._dra_registrations.values()):
+            await self._deregister_dra(registration.registration_socket)
+            for socket_path in (registration.registration_socket, registration.endpoint):
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+                        os.unlink(socket_path)
+                        removed.append(socket_path)
+        if self.plugins_registry_dir is not None:
+            self._watcher_task = asyncio.ensure_future(self._watch_registry())
+        return removed
 
 
 class _RegistrationService(dp_grpc.RegistrationServicer):

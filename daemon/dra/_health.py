@@ -1,0 +1,174 @@
+"""DRAResourceHealth (v1alpha1) for the pools served through DRA: the health the kubelet shows in
+the status of the pods that hold the devices.
+
+``NodeWatchResources`` sends the health of every device of every DRA pool of the current tree as
+one complete list, then a complete list again on each tree in which a DRA device's health, its
+reason, or the set of DRA devices changed. A device the handler lost while it is held
+(``pool.vanished``) is Unhealthy; a device left out of the ResourceSlices because something holds
+it (a host lease, a claim, a device-plugin pod) still reports its health, since its holder is
+what the report is for.
+
+The kubelet stamps each device with the time a message *arrived* (not ``last_updated_time``) and
+takes it as Unknown once that is older than ``health_check_timeout_seconds`` (30 s when 0, and
+always 30 s for kubelets before 1.35, which do not read the field). So an unchanged list is sent
+again every ``resend_interval`` (10 s: three chances within the timeout); the kubelet counts an
+unchanged repeat as no change, so pods are not touched. The timeout we send is that same 30 s:
+a daemon that stopped sending is Unknown after it on every kubelet alike, and a daemon that
+stopped altogether ends the stream, which clears the driver's health in the kubelet at once.
+
+Each stream is a subscriber of the notifier as the host API's Watch streams are: ``offer(tree)``
+puts the tree in a one-slot mailbox and returns at once, so a slow stream is conflated to the
+newest tree and never delays the event loop; it is unsubscribed when the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
+from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from daemon.core import DRA_ROAD, HEALTHY, DeviceTree, LatestValue, Notifier
+
+from ._names import device_name, pool_name
+
+log = logging.getLogger("devplugd.dra")
+
+HEALTH_TIMEOUT_SECONDS = 30  # the kubelet's DefaultHealthTimeout, stated rather than implied
+RESEND_INTERVAL = 10.0
+VANISHED_MESSAGE = "the device is no longer on the host"
+
+# (pool name, device name, HealthStatus, message), sorted: what one message says
+HealthReport = tuple[tuple[str, str, health.HealthStatus, str], ...]
+
+
+def health_report(tree: DeviceTree, node_name: str) -> HealthReport:
+    """The health of every device of every DRA pool of ``tree``."""
+    entries: list[tuple[str, str, health.HealthStatus, str]] = []
+    for resource, pool in tree.pools.items():
+        if pool.road != DRA_ROAD:
+            continue
+        pool_id = pool_name(node_name, resource)
+        for device_id, info in pool.devices.items():
+            if device_id in pool.vanished:
+                entries.append((pool_id, device_name(device_id), health.UNHEALTHY, VANISHED_MESSAGE))
+            elif info.health == HEALTHY:
+                entries.append((pool_id, device_name(device_id), health.HEALTHY, ""))
+            else:
+                entries.append((pool_id, device_name(device_id), health.UNHEALTHY, ""))
+    return tuple(sorted(entries))
+
+
+def _dra_pools_changed(old: DeviceTree, new: DeviceTree) -> bool:
+    """Whether a pool that is (or was) served through DRA is not the same object in both trees:
+    one identity check per resource, so the report is rebuilt only when it may differ."""
+    return any(
+        (diff.old is not None and diff.old.road == DRA_ROAD) or (diff.new is not None and diff.new.road == DRA_ROAD)
+        for diff in new.diff(old).resources.values()
+    )
+
+
+class _HealthStream:
+    """The notifier's subscriber for one NodeWatchResources stream."""
+
+    def __init__(self) -> None:
+        self._wakeup = asyncio.Event()
+        self._latest: LatestValue[DeviceTree] = LatestValue(self._wakeup.set)
+        self.closed = False
+
+    def offer(self, tree: DeviceTree) -> None:
+        self._latest.put(tree)
+
+    def close(self) -> None:
+        self.closed = True
+        self._wakeup.set()
+
+    async def next_tree(self, timeout: float) -> DeviceTree | None:
+        """The newest tree not taken yet, or ``None`` when ``timeout`` passes (or the stream is
+        closed) first."""
+        full, tree = self._latest.take()
+        if full:
+            return tree
+        self._wakeup.clear()
+        try:
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await self._wakeup.wait()
+        except TimeoutError:
+            return None
+        full, tree = self._latest.take()
+        return tree if full else None
+
+
+class HealthServicer(health_grpc.DRAResourceHealthServicer):
+    """``v1alpha1.DRAResourceHealth`` for the DRA pools of ``notifier``'s trees on ``node_name``."""
+
+    def __init__(self, notifier: Notifier, node_name: str, resend_interval: float = RESEND_INTERVAL) -> None:
+        self._notifier = notifier
+        self._node_name = node_name
+        self._resend_interval = resend_interval
+        self._streams: set[_HealthStream] = set()
+
+    @property
+    def stream_count(self) -> int:
+        return len(self._streams)
+
+    def close_streams(self) -> None:
+        """End every open stream (before the server that carries them stops)."""
+        for stream in tuple(self._streams):
+            stream.close()
+
+    @staticmethod
+    def _message(report: HealthReport) -> health.NodeWatchResourcesResponse:
+        now = int(time.time())
+        return health.NodeWatchResourcesResponse(devices=[
+            health.DeviceHealth(
+                device=health.DeviceIdentifier(pool_name=pool_id, device_name=device),
+                health=status,
+                last_updated_time=now,
+                health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
+                message=message,
+            )
+            for pool_id, device, status, message in report
+        ])
+
+    async def NodeWatchResources(
+        self,
+        request: health.NodeWatchResourcesRequest,
+        context: grpc.aio.ServicerContext[health.NodeWatchResourcesRequest, health.NodeWatchResourcesResponse],
+    ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
+        stream = _HealthStream()
+        self._streams.add(stream)
+        sent_tree = self._notifier.subscribe(stream)
+        loop = asyncio.get_running_loop()
+        try:
+            report = health_report(sent_tree, self._node_name)
+            log.info("kubelet watches DRA device health: %d devices", len(report))
+            yield self._message(report)
+            resend_at = loop.time() + self._resend_interval
+            while not stream.closed:
+                tree = await stream.next_tree(resend_at - loop.time())
+                if stream.closed:
+                    break
+                if tree is not None:
+                    if not _dra_pools_changed(sent_tree, tree):
+                        sent_tree = tree
+                        continue
+                    sent_tree = tree
+                    new_report = health_report(tree, self._node_name)
+                    if new_report == report:
+                        continue
+                    unhealthy = sum(1 for entry in new_report if entry[2] != health.HEALTHY)
+                    log.info("DRA device health changed (tree %d): %d devices, %d unhealthy",
+                             tree.version, len(new_report), unhealthy, extra={"EVENT": f"tree:{tree.version}"})
+                    report = new_report
+                elif loop.time() < resend_at:
+                    continue
+                yield self._message(report)
+                resend_at = loop.time() + self._resend_interval
+        finally:
+            self._notifier.unsubscribe(stream)
+            self._streams.discard(stream)

@@ -1,0 +1,278 @@
+"""The DRA plugin's two sockets, served for the daemon's whole life.
+
+* ``<dra_plugin_dir>/<driver>/dra.sock``: the kubelet's DRA services, ``DRAPlugin`` v1,
+  ``DRAPlugin`` v1beta1 (for 1.32 and 1.33 kubelets: an adapter that converts each message to its
+  v1 twin through its wire form, the field numbers being the same, and calls the one v1
+  servicer) and ``DRAResourceHealth`` v1alpha1;
+* ``<plugins_registry_dir>/<driver>-reg.sock``: ``pluginregistration.Registration``, which the
+  kubelet's plugin watcher finds; its GetInfo names dra.sock as the endpoint.
+
+dra.sock is served first, then the registration socket: the kubelet dials the endpoint as soon as
+it registers us. When the kubelet removes one of them (it cleans its plugin directories when it
+restarts), ``socket_removed`` wakes the task and the missing socket is served again at once; a
+new dra.sock is followed by a new registration socket, so that the kubelet registers us again and
+dials the new endpoint rather than waiting for its connection's reconnect backoff. A removal
+event that is about a socket we already replaced (our own clean-up is reported too) is told
+apart by the socket file's identity and ignored. Listen failures are logged and retried with a
+backoff; nothing here ends the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
+
+import grpc
+import trio
+from trio_asyncio import aio_as_trio
+
+from daemon._generated.dra.v1 import api_pb2 as dra_v1
+from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
+from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
+from daemon._generated.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from daemon._generated.pluginregistration.v1 import api_pb2 as reg
+from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from daemon.settings import Settings
+from daemon.sockets import SUN_PATH_MAX, remove_socket_file, start_unix_server
+from daemon.supervise import Backoff
+
+from ._health import HealthServicer
+
+log = logging.getLogger("devplugd.dra")
+
+PLUGIN_TYPE = "DRAPlugin"
+# The services on dra.sock, as the kubelet names them, in the order it should pick them (§3.2)
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+STOP_GRACE = 0.2
+PLUGIN_DIR_MODE = 0o750
+
+
+
+class _WireMessage(Protocol):
+    """What ``convert`` needs of a protobuf message class (``google.protobuf.message.Message``,
+    which mypy cannot see here: ``google`` is a namespace package)."""
+
+    @classmethod
+    def FromString(cls: type[_Message], serialized: bytes) -> _Message: ...
+
+    def SerializeToString(self) -> bytes: ...
+
+    def DiscardUnknownFields(self) -> None: ...
+
+
+_Message = TypeVar("_Message", bound=_WireMessage)
+
+
+def convert(message: _WireMessage, kind: type[_Message]) -> _Message:
+    """``message`` as its twin ``kind`` of another API version (same field numbers), without the
+    fields ``kind`` does not have (v1's ``share_id`` when answering a v1beta1 kubelet)."""
+    converted = kind.FromString(message.SerializeToString())
+    converted.DiscardUnknownFields()
+    return converted
+
+
+class V1beta1Adapter(dra_v1beta1_grpc.DRAPluginServicer):
+    """``DRAPlugin`` v1beta1 in front of a v1 servicer."""
+
+    def __init__(self, v1: dra_v1_grpc.DRAPluginServicer) -> None:
+        self._v1 = v1
+
+    async def NodePrepareResources(
+        self,
+        request: dra_v1beta1.NodePrepareResourcesRequest,
+        context: grpc.aio.ServicerContext[
+            dra_v1beta1.NodePrepareResourcesRequest, dra_v1beta1.NodePrepareResourcesResponse],
+    ) -> dra_v1beta1.NodePrepareResourcesResponse:
+        answer = await self._v1.NodePrepareResources(
+            convert(request, dra_v1.NodePrepareResourcesRequest), cast(Any, context))
+        return convert(answer, dra_v1beta1.NodePrepareResourcesResponse)
+
+    async def NodeUnprepareResources(
+        self,
+        request: dra_v1beta1.NodeUnprepareResourcesRequest,
+        context: grpc.aio.ServicerContext[
+            dra_v1beta1.NodeUnprepareResourcesRequest, dra_v1beta1.NodeUnprepareResourcesResponse],
+    ) -> dra_v1beta1.NodeUnprepareResourcesResponse:
+        answer = await self._v1.NodeUnprepareResources(
+            convert(request, dra_v1.NodeUnprepareResourcesRequest), cast(Any, context))
+        return convert(answer, dra_v1beta1.NodeUnprepareResourcesResponse)
+
+
+class _RegistrationServicer(reg_grpc.RegistrationServicer):
+    def __init__(self, info: reg.PluginInfo, on_status: Callable[[bool, str], None]) -> None:
+        self._info = info
+        self._on_status = on_status
+
+    async def GetInfo(
+        self, request: reg.InfoRequest, context: grpc.aio.ServicerContext[reg.InfoRequest, reg.PluginInfo]
+    ) -> reg.PluginInfo:
+        return self._info
+
+    async def NotifyRegistrationStatus(
+        self,
+        request: reg.RegistrationStatus,
+        context: grpc.aio.ServicerContext[reg.RegistrationStatus, reg.RegistrationStatusResponse],
+    ) -> reg.RegistrationStatusResponse:
+        self._on_status(request.plugin_registered, request.error)
+        return reg.RegistrationStatusResponse()
+
+
+@dataclass
+class _Served:
+    path: Path
+    server: grpc.aio.Server
+    identity: tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns) of the socket file we bound
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_ctime_ns
+
+
+class DraSockets:
+    """dra.sock and the registration socket; ``run`` is their whole life."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        plugin: dra_v1_grpc.DRAPluginServicer,
+        health: HealthServicer,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.plugin_socket = settings.dra_socket
+        self.registration_socket = settings.dra_registration_socket
+        self._driver = settings.dra_driver
+        self._plugin = plugin
+        self._health = health
+        self._on_change = on_change
+        self._info = reg.PluginInfo(type=PLUGIN_TYPE, name=settings.dra_driver, endpoint=str(settings.dra_socket),
+                                    supported_versions=SUPPORTED_VERSIONS)
+        self.registered = False
+        self.registration_error = ""
+        self._plugin_served: _Served | None = None
+        self._registration_served: _Served | None = None
+        self._kick = trio.Event()
+
+    @property
+    def serving(self) -> bool:
+        """Whether both sockets are served (by servers we started; the files may just have gone)."""
+        return self._plugin_served is not None and self._registration_served is not None
+
+    def socket_removed(self, path: str) -> None:
+        """A socket was removed (inotify): if it is one of ours, look at both and serve again
+        whatever is gone."""
+        if Path(path) in (self.plugin_socket, self.registration_socket):
+            self._kick.set()
+
+    def _registration_status(self, registered: bool, error: str) -> None:
+        self.registered = registered
+        self.registration_error = "" if registered else (error or "no reason given")
+        if registered:
+            log.info("kubelet registered DRA driver %s (endpoint %s)", self._driver, self.plugin_socket)
+        else:
+            log.error("kubelet refused DRA driver %s: %s", self._driver, self.registration_error)
+        self._on_change()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve dra.sock, then the registration socket, then report started (also when listening
+        failed: it is retried with a backoff, and start-up is not held up by it); serve again
+        whatever the kubelet removes; on cancellation stop both and remove their files."""
+        backoff = Backoff()
+        started = False
+        try:
+            while True:
+                self._kick = trio.Event()
+                retry_in: float | None = None
+                try:
+                    await self._serve_what_is_missing()
+                    backoff.reset()
+                except Exception as error:  # listen failures are retried, never fatal
+                    retry_in = backoff.next_delay()
+                    log.error("cannot serve DRA driver %s: %s; retrying in %.1fs", self._driver, error, retry_in)
+                if not started:
+                    started = True
+                    task_status.started()
+                if retry_in is not None:
+                    await trio.sleep(retry_in)
+                else:
+                    await self._kick.wait()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._stop_registration()
+                await self._stop_plugin()
+
+    @staticmethod
+    def _gone(served: _Served | None) -> bool:
+        return served is None or _identity(served.path) != served.identity
+
+    async def _serve_what_is_missing(self) -> None:
+        if self._gone(self._plugin_served):
+            if self._plugin_served is not None:
+                log.warning("%s was removed: serving DRA driver %s again", self.plugin_socket, self._driver)
+            await self._stop_registration()  # registered again below, for the new endpoint
+            await self._stop_plugin()
+            self._plugin_served = await self._serve(self.plugin_socket, self._add_plugin_services)
+            log.info("serving DRA driver %s on %s", self._driver, self.plugin_socket)
+            self._on_change()
+        if self._gone(self._registration_served):
+            if self._registration_served is not None:
+                log.warning("%s was removed: serving it again", self.registration_socket)
+            await self._stop_registration()
+            self._registration_served = await self._serve(self.registration_socket, self._add_registration)
+            self.registration_error = ""  # a new registration: the kubelet's next word is about it
+            log.info("DRA driver %s waits for the kubelet on %s", self._driver, self.registration_socket)
+            self._on_change()
+
+    def _add_plugin_services(self, server: grpc.aio.Server) -> None:
+        dra_v1_grpc.add_DRAPluginServicer_to_server(self._plugin, server)
+        dra_v1beta1_grpc.add_DRAPluginServicer_to_server(V1beta1Adapter(self._plugin), server)
+        health_grpc.add_DRAResourceHealthServicer_to_server(self._health, server)
+
+    def _add_registration(self, server: grpc.aio.Server) -> None:
+        reg_grpc.add_RegistrationServicer_to_server(_RegistrationServicer(self._info, self._registration_status),
+                                                    server)
+
+    async def _serve(self, path: Path, add_services: Callable[[grpc.aio.Server], None]) -> _Served:
+        if len(str(path)) > SUN_PATH_MAX:
+            raise OSError(f"{path} is longer than a unix socket path can be ({SUN_PATH_MAX} bytes)")
+        path.parent.mkdir(mode=PLUGIN_DIR_MODE, parents=True, exist_ok=True)
+        remove_socket_file(path)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        add_services(server)
+        # Shielded: a server cancelled half-started is never stopped and wedges grpc's shutdown;
+        # starting takes milliseconds, and run's finally stops it.
+        with trio.CancelScope(shield=True):
+            await aio_as_trio(start_unix_server)(server, str(path))
+        identity = _identity(path)
+        if identity is None:  # removed the moment it was made: serve it again on the next look
+            identity = (0, 0, 0)
+            self._kick.set()
+        return _Served(path, server, identity)
+
+    async def _stop(self, served: _Served) -> None:
+        with trio.CancelScope(shield=True):
+            await aio_as_trio(served.server.stop)(STOP_GRACE)
+        if _identity(served.path) == served.identity:  # never a socket someone made after ours went
+            remove_socket_file(served.path)
+
+    async def _stop_registration(self) -> None:
+        served, self._registration_served = self._registration_served, None
+        if served is not None:
+            self.registered = False
+            await self._stop(served)
+            self._on_change()
+
+    async def _stop_plugin(self) -> None:
+        served, self._plugin_served = self._plugin_served, None
+        if served is not None:
+            self._health.close_streams()
+            await self._stop(served)
+            self._on_change()
