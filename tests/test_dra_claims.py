@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from daemon.dra._claims import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
 
@@ -80,7 +81,7 @@ async def test_claim_holds_its_devices_from_the_moment_it_is_added(state_dir: Pa
     book = loaded(state_dir)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(book.add, claim())
-        await trio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()  # the add waits on its write in a worker thread
         assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): "claim default/a"}
         assert book.prepared(UID_A) is None  # not in the file yet
     assert book.prepared(UID_A) == claim()

@@ -218,20 +218,39 @@ async def test_claim_spec_has_one_cdi_device_per_device_with_its_device_nodes(no
     assert nodes_of(devices[f"{uid(1)}-0000-3b-02-3"]) == ["/dev/vfio/vfio", "/dev/vfio/43"]
     assert nodes_of(devices[f"{uid(1)}-0000-3b-02-0"]) == []
     # every CDI device has edits of its own (CDI refuses a device without): its ID under its name
-    assert env_of(devices[f"{uid(1)}-0000-3b-02-0"]) == {"DEVPLUGD_INTEL_COM_SRIOV_NET_0000_3B_02_0": NET_VFS[0]}
+    assert env_of(devices[f"{uid(1)}-0000-3b-02-0"])["DEVPLUGD_INTEL_COM_SRIOV_NET_0000_3B_02_0"] == NET_VFS[0]
+    assert "containerEdits" not in spec  # what a container gets comes with the devices it is given
+
+
+def allocation_env(edits: dict[str, Any]) -> dict[str, str]:
+    """A CDI device's env less its own ``DEVPLUGD_<RESOURCE>_<DEVICE>`` line."""
+    return {key: value for key, value in env_of(edits).items() if not key.startswith("DEVPLUGD_")}
 
 
 async def test_claim_spec_env_is_what_a_device_plugin_allocate_of_the_same_devices_gives(node: Node) -> None:
     ref = node.api.add(claim_json(1, "vfs", [result(DPDK, VFIO_VFS[1]), result(DPDK, VFIO_VFS[0]),
                                              result(NET, NET_VFS[0])]))
     await node.prepare_one(ref)
-    claim_env = env_of(node.spec(uid(1))["containerEdits"])
+    devices = {device["name"]: device["containerEdits"] for device in node.spec(uid(1))["devices"]}
     dpdk = node.device_plugin_envs(DPDK, [VFIO_VFS[1], VFIO_VFS[0]])
     net = node.device_plugin_envs(NET, [NET_VFS[0]])
-    assert claim_env == {**dpdk, **net}
-    assert claim_env["PCIDEVICE_INTEL_COM_DPDK"] == "0000:3b:02.3,0000:3b:02.2"
-    assert set(claim_env) == {"PCIDEVICE_INTEL_COM_DPDK", "PCIDEVICE_INTEL_COM_DPDK_INFO", "PCI_RESOURCE_INTEL_COM_DPDK",
-                              "PCIDEVICE_INTEL_COM_SRIOV_NET", "PCIDEVICE_INTEL_COM_SRIOV_NET_INFO"}
+    # each device of a request carries that request's whole answer, so a container given any of them has it
+    assert allocation_env(devices[f"{uid(1)}-0000-3b-02-3"]) == allocation_env(devices[f"{uid(1)}-0000-3b-02-2"]) == dpdk
+    assert allocation_env(devices[f"{uid(1)}-0000-3b-02-0"]) == net
+    assert dpdk["PCIDEVICE_INTEL_COM_DPDK"] == "0000:3b:02.3,0000:3b:02.2"
+    assert set(dpdk) == {"PCIDEVICE_INTEL_COM_DPDK", "PCIDEVICE_INTEL_COM_DPDK_INFO", "PCI_RESOURCE_INTEL_COM_DPDK"}
+
+
+async def test_each_request_of_a_claim_is_its_own_allocate_as_each_container_of_a_pod_is(node: Node) -> None:
+    # The claim the scheduler makes for resources.limits (KEP-5004): one request per container.
+    ref = node.api.add(claim_json(1, "pod-vfs", [result(DPDK, VFIO_VFS[0], "container-0-dpdk"),
+                                                 result(DPDK, VFIO_VFS[1], "container-1-dpdk")]))
+    await node.prepare_one(ref)
+    devices = {device["name"]: device["containerEdits"] for device in node.spec(uid(1))["devices"]}
+    first, second = devices[f"{uid(1)}-0000-3b-02-2"], devices[f"{uid(1)}-0000-3b-02-3"]
+    assert allocation_env(first) == node.device_plugin_envs(DPDK, [VFIO_VFS[0]])
+    assert allocation_env(second) == node.device_plugin_envs(DPDK, [VFIO_VFS[1]])
+    assert env_of(first)["PCIDEVICE_INTEL_COM_DPDK"] == VFIO_VFS[0]  # never its neighbour's VF
 
 
 async def test_no_iommu_group_node_needs_host_path_and_cdi_version_0_5(node: Node, host: FakeHost, pci: Pci) -> None:

@@ -15,13 +15,17 @@ Prepare, for each claim of a call:
    a DRA pool of this node and a device in it that is Healthy, not under a host lease, not held
    by a pod through the device-plugin API, and not prepared for another claim (unless one of
    the two allocations is admin access, which takes the device from no one);
-4. for each pool, one ``allocate_container`` for all the claim's devices of that pool (so
-   ``PCIDEVICE_*`` lists them all, as one Allocate would; netDevice pools write their device-info
-   files), in a worker thread;
+4. for each request and pool, one ``allocate_container`` for the claim's devices of that request
+   in that pool (so ``PCIDEVICE_*`` lists them all, as one Allocate for one container would;
+   netDevice pools write their device-info files), in a worker thread. Per request, because a
+   container gets the devices of its requests only: the claim the scheduler makes for a pod's
+   ``resources.limits`` (KEP-5004) has one request per container, and each container must see
+   its own VFs in ``PCIDEVICE_*``, never its neighbour's;
 5. the claim's CDI spec, ``devplugd-claim-<claim UID>.json`` in the CDI directory: kind
    ``<driver>/claim``, one CDI device ``<claim UID>-<device name>`` per device holding its device
-   nodes, and the claim-level ``containerEdits`` holding the allocations' env and mounts (and any
-   device node no single device accounts for);
+   nodes and its request's env and mounts (the same on every device of the request, so a
+   container that takes any of them has them; a device node no single device accounts for goes
+   with the request's first device);
 6. the checkpoint (``ClaimBook.add``), then the answer. If 5 or 6 fails, what was done is undone
    (spec removed, side files released) and the claim's answer is the error.
 
@@ -54,7 +58,6 @@ from daemon.core import (
     DeviceTree,
     HandlerFailed,
     Hooks,
-    Mount,
     ResourcePool,
     allocate_container,
 )
@@ -189,7 +192,7 @@ class ClaimPreparer:
         return PrepareResult(devices=claim.devices)
 
     async def _record(self, ref: ClaimRef, chosen: Sequence[_Chosen],
-                      allocations: Sequence[tuple[_Chosen, ContainerAllocation]]) -> PreparedClaim:
+                      allocations: Sequence[tuple[list[_Chosen], ContainerAllocation]]) -> PreparedClaim:
         """Write the claim's CDI spec, then its checkpoint entry."""
         spec = self._claim_spec(ref.uid, chosen, allocations)
         claim = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec)
@@ -269,14 +272,16 @@ class ClaimPreparer:
             chosen.append(_Chosen(pool, device))
         return chosen
 
-    async def _allocate(self, ref: ClaimRef, chosen: Sequence[_Chosen]) -> list[tuple[_Chosen, ContainerAllocation]]:
-        """One allocation per pool (paired with the pool's first chosen device), in a worker
-        thread; ClaimRefused says what failed."""
-        by_pool: dict[str, list[_Chosen]] = {}
+    async def _allocate(self, ref: ClaimRef,
+                        chosen: Sequence[_Chosen]) -> list[tuple[list[_Chosen], ContainerAllocation]]:
+        """One allocation per request and pool (with the devices it is for), in a worker thread;
+        ClaimRefused says what failed."""
+        by_request: dict[tuple[str, str], list[_Chosen]] = {}
         for item in chosen:
-            by_pool.setdefault(item.pool.resource, []).append(item)
-        allocations: list[tuple[_Chosen, ContainerAllocation]] = []
-        for resource, items in by_pool.items():
+            request = item.device.request_names[0] if item.device.request_names else ""
+            by_request.setdefault((item.pool.resource, request), []).append(item)
+        allocations: list[tuple[list[_Chosen], ContainerAllocation]] = []
+        for (resource, _request), items in by_request.items():
             pool = items[0].pool
             hooks = self._hooks.get(pool.handler)
             if hooks is None:
@@ -290,42 +295,34 @@ class ClaimPreparer:
             if allocation.annotations:
                 log.warning("%s: the annotations %s of %s have no place in a CDI spec; left out", ref.label,
                             ", ".join(sorted(allocation.annotations)), resource, extra={"RESOURCE": resource})
-            allocations.append((items[0], allocation))
+            allocations.append((items, allocation))
         return allocations
 
     def _claim_spec(self, uid: str, chosen: Sequence[_Chosen],
-                    allocations: Sequence[tuple[_Chosen, ContainerAllocation]]) -> dict[str, Any]:
-        """The claim's CDI spec document (see the module docstring, step 5)."""
-        given = {item.pool.resource: allocation for item, allocation in allocations}
+                    allocations: Sequence[tuple[list[_Chosen], ContainerAllocation]]) -> dict[str, Any]:
+        """The claim's CDI spec document (see the module docstring, step 5), its devices in the
+        order of the claim's results."""
         needs_host_path = False
-        devices = []
-        attributed: dict[str, set[DeviceSpec]] = {}
-        for item in chosen:
-            allocated = set(given[item.pool.resource].specs)
-            own = [spec for spec in item.pool.devices[item.device.device_id].specs if spec in allocated]
-            attributed.setdefault(item.pool.resource, set()).update(own)
-            # a device's own env, so that its edits are never empty (CDI refuses a device without any)
-            env = {_device_env_name(item.device): item.device.device_id}
-            edits, needs = container_edits(own, (), env)
-            needs_host_path |= needs
-            devices.append({"name": f"{uid}-{item.device.device_name}", "containerEdits": edits})
-        envs: dict[str, str] = {}
-        mounts: dict[str, Mount] = {}
-        loose: dict[str, DeviceSpec] = {}
-        for resource, allocation in given.items():
-            for key, value in allocation.envs.items():
-                envs.setdefault(key, value)
-            for mount in allocation.mounts:
-                mounts.setdefault(mount.container_path, mount)
-            for spec in allocation.specs:
-                if spec not in attributed[resource]:
-                    loose.setdefault(spec.host_path, spec)
-        claim_edits, needs = container_edits(loose.values(), mounts.values(), envs)
-        document: dict[str, Any] = {"cdiVersion": cdi_version(needs_host_path or needs), "kind": self._kind,
-                                    "devices": devices}
-        if claim_edits:
-            document["containerEdits"] = claim_edits
-        return document
+        edits_of: dict[str, dict[str, Any]] = {}  # device name -> its containerEdits
+        for items, allocation in allocations:
+            allocated = set(allocation.specs)
+            attributed: set[DeviceSpec] = set()
+            own_specs: dict[str, list[DeviceSpec]] = {}
+            for item in items:
+                own = [spec for spec in item.pool.devices[item.device.device_id].specs if spec in allocated]
+                attributed.update(own)
+                own_specs[item.device.device_name] = own
+            loose = [spec for spec in allocation.specs if spec not in attributed]
+            for position, item in enumerate(items):
+                specs = own_specs[item.device.device_name] + (loose if position == 0 else [])
+                # the device's own env too, so that its edits are never empty (CDI refuses those)
+                env = {**allocation.envs, _device_env_name(item.device): item.device.device_id}
+                edits, needs = container_edits(specs, allocation.mounts, env)
+                needs_host_path |= needs
+                edits_of[item.device.device_name] = edits
+        devices = [{"name": f"{uid}-{item.device.device_name}", "containerEdits": edits_of[item.device.device_name]}
+                   for item in chosen]
+        return {"cdiVersion": cdi_version(needs_host_path), "kind": self._kind, "devices": devices}
 
     def _write_spec(self, uid: str, spec: Mapping[str, Any]) -> None:
         self._cdi_dir.mkdir(parents=True, exist_ok=True)
