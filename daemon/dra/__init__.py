@@ -2,5 +2,13 @@
 ResourceSlices and prepared for ResourceClaims by the kubelet's DRA manager."""
 
 from ._names import device_name, pool_name
+from ._slices import qualified_name_problem, slice_bodies, slice_devices, string_problem
 
-__all__ = ["device_name", "pool_name"]
+__all__ = [
+    "device_name",
+    "pool_name",
+    "qualified_name_problem",
+    "slice_bodies",
+    "slice_devices",
+    "string_problem",
+]
