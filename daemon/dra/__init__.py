@@ -1,13 +1,19 @@
 """devplugd as a DRA driver: the pools whose config says ``allocationApi: dra``, published as
 ResourceSlices and prepared for ResourceClaims by the kubelet's DRA manager."""
 
+from ._deviceclasses import DeviceClassError, device_class_name, device_classes, rbac_objects, selector_expression
 from ._names import device_name, pool_name
 from ._slices import qualified_name_problem, slice_bodies, slice_devices, string_problem
 
 __all__ = [
+    "DeviceClassError",
+    "device_class_name",
+    "device_classes",
     "device_name",
     "pool_name",
     "qualified_name_problem",
+    "rbac_objects",
+    "selector_expression",
     "slice_bodies",
     "slice_devices",
     "string_problem",
