@@ -1,4 +1,4 @@
-"""The command line: ``devplugd run|check-config``. It only builds Settings and calls the app."""
+"""The command line: ``devplugd run|check-config|dra ...``. It only builds Settings and calls the app."""
 
 from __future__ import annotations
 
@@ -96,6 +96,18 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
     check.add_argument("path", type=Path)
     check.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix, help="(default: %(default)s)")
+
+    dra = commands.add_parser("dra", help="what a cluster needs for the pools served through DRA")
+    dra_commands = dra.add_subparsers(dest="dra_command", required=True, metavar="COMMAND")
+    classes = dra_commands.add_parser(
+        "device-classes", help="print a DeviceClass per DRA pool (KEP-5004 extended resource names) as YAML")
+    classes.add_argument("--config", type=Path, default=DEFAULTS.config_path,
+                         help="pool config file (default: %(default)s)")
+    classes.add_argument("--dra-driver", default=DEFAULTS.dra_driver,
+                         help="DRA driver name the daemon runs with (default: %(default)s)")
+    classes.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix, help="(default: %(default)s)")
+    classes.add_argument("--rbac", action="store_true",
+                         help="also print the ServiceAccount, ClusterRole and ClusterRoleBinding the daemon needs")
     return parser
 
 
@@ -108,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if arguments.command == "check-config":
         configure_logging("warning")
         return _check_config(arguments.path, arguments.resource_prefix)
+    if arguments.command == "dra":
+        configure_logging("warning")
+        return _device_classes(arguments.config, arguments.dra_driver, arguments.resource_prefix, arguments.rbac)
     configure_logging(arguments.log_level)
     node_name = arguments.node_name or os.environ.get("NODE_NAME") or socket.gethostname().lower()
     # the node name from the environment or the host name is checked only when a pool uses DRA
@@ -177,6 +192,36 @@ def _check_config(path: Path, resource_prefix: str) -> int:
     for pool in config.pools:
         print(f"{pool.resource}\t{pool.entry.device_type}")
     print(f"config {path}: valid, {len(config.pools)} pools")
+    return app.EXIT_OK
+
+
+def _device_classes(path: Path, driver: str, resource_prefix: str, rbac: bool) -> int:
+    """``dra device-classes``: the DeviceClasses (and with ``rbac`` the RBAC objects) as one
+    multi-document YAML stream on stdout; a config without DRA pools needs neither."""
+    from daemon import app
+    from daemon.core import DRA_API, ConfigFileError
+    from daemon.dra import DeviceClassError, device_classes, rbac_objects
+
+    if problem := dra_names_problem(driver, None):
+        print(f"devplugd: {problem}", file=sys.stderr)
+        return app.EXIT_BAD_CONFIG
+    try:
+        _, config = app.load(Settings(resource_prefix=resource_prefix), config_path=path)
+        documents = device_classes(config, driver)
+    except (ConfigFileError, DeviceClassError) as error:
+        print(f"devplugd: {error}", file=sys.stderr)
+        return app.EXIT_BAD_CONFIG
+    if not documents:
+        print(f"devplugd: no pool of {path} has allocationApi {DRA_API!r}: no DeviceClasses, and no "
+              "RBAC (the daemon does not use the API server)", file=sys.stderr)
+        print(f"# devplugd: no DRA pools in {path}")
+        return app.EXIT_OK
+    if rbac:
+        documents += rbac_objects(driver)
+    import yaml  # PyYAML, a dependency of the kubernetes client: only this command needs it
+
+    print(f"# devplugd dra device-classes: {len(config.dra_pools)} DRA pools of {path}, driver {driver}")
+    sys.stdout.write(yaml.safe_dump_all(documents, sort_keys=False, explicit_start=True, width=4096))
     return app.EXIT_OK
 
 

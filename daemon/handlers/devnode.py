@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from daemon.core import (
     HEALTHY,
+    AttributeValue,
     ConfigError,
     ConfiguredPool,
     DeviceInfo,
@@ -29,6 +30,7 @@ from daemon.core import (
     Event,
     HandlerContext,
     PoolEntry,
+    ResourcePool,
     Resync,
     SysfsError,
     UEvent,
@@ -36,7 +38,7 @@ from daemon.core import (
 )
 
 if TYPE_CHECKING:
-    from daemon.core import Handler
+    from daemon.core import DeviceDescriber, Handler
 
 log = logging.getLogger("devplugd.devnode")
 
@@ -200,7 +202,14 @@ class DevNodeHandler:
             result[pool.resource] = devices
         return result
 
+    # DeviceDescriber: a DRA device says which node it puts in the container.
+    def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]:
+        """``path``: the device node's path inside the container (``/dev/net/tun``)."""
+        specs = pool.devices[device_id].specs
+        return {"path": specs[0].container_path} if specs else {}
+
 
 if TYPE_CHECKING:
-    # mypy checks here that DevNodeHandler keeps the handler contract.
+    # mypy checks here that DevNodeHandler keeps the handler contract and the hooks it opts into.
     _handler: type[Handler[Mapping[str, DeviceNode], DevNodePoolSpec]] = DevNodeHandler
+    _describer: type[DeviceDescriber] = DevNodeHandler

@@ -48,6 +48,7 @@ from ._allocation import (
     with_vfio_binding,
     write_devinfo_file,
 )
+from ._attributes import pci_attributes
 from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
 from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._groups import is_bridge_class
@@ -56,7 +57,15 @@ from ._preferred import POLICIES, preferred_devices
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 if TYPE_CHECKING:
-    from daemon.core import Handler, PoolLifecycle, PostAllocator, PreferredAllocator, SideFileReleaser
+    from daemon.core import (
+        AttributeValue,
+        DeviceDescriber,
+        Handler,
+        PoolLifecycle,
+        PostAllocator,
+        PreferredAllocator,
+        SideFileReleaser,
+    )
 
 log = logging.getLogger("devplugd.pci")
 
@@ -212,6 +221,10 @@ class PciHandler:
         facts = {device_id: info.details.device for device_id, info in pool.devices.items()}
         return preferred_devices(spec.allocation_policy, facts, available, must_include, size)
 
+    # DeviceDescriber: what a DRA ResourceSlice says of a device, from its record alone.
+    def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]:
+        return pci_attributes(pool.devices[device_id].details)
+
     # PoolLifecycle: device-info files are cleaned when pools start and stop, as upstream does.
     def pools_started(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         self._remove_devinfo(pools)
@@ -253,4 +266,5 @@ if TYPE_CHECKING:
     _preferred_allocator: type[PreferredAllocator] = PciHandler
     _lifecycle: type[PoolLifecycle[PciPoolSpec]] = PciHandler
     _releaser: type[SideFileReleaser] = PciHandler
+    _describer: type[DeviceDescriber] = PciHandler
 

@@ -1,6 +1,7 @@
 """Reading PCI functions from a sysfs root, the way the kernel lays them out.
 
-Everything comes from ``<sysfs>/bus/pci/devices/<address>`` (a symlink into ``devices/pci…``):
+Everything comes from ``<sysfs>/bus/pci/devices/<address>`` (a symlink into ``devices/pci…``,
+whose target names the PCIe root complex):
 ``vendor``, ``device``, ``class``, ``numa_node``, ``acpi_index``, the ``driver`` and
 ``iommu_group`` links, SR-IOV (``sriov_totalvfs``, ``sriov_numvfs``, ``physfn``, ``virtfnN``),
 ``net/<ifname>/type``, ``uio/uioN`` and ``infiniband/<rdma dev>``; RDMA character devices from
@@ -28,6 +29,7 @@ log = logging.getLogger("devplugd.pci")
 
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")  # domain:bus:device.function
+PCIE_ROOT = re.compile(r"pci[0-9a-f]{4,}:[0-9a-f]{2}")  # a root complex's directory under /sys/devices
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,8 @@ class PciDevice:
     rdma_devices: tuple[str, ...]
     has_default_route: bool
     vfio_cdev: str | None = None  # "vfioN" of ``vfio-dev/vfioN``: the device's own VFIO node (IOMMUFD)
+    # ``pci<domain>:<bus>``: the root complex's directory under ``<sysfs>/devices`` it sits below
+    pcie_root: str | None = None
 
     @property
     def netdev(self) -> str | None:
@@ -258,7 +262,27 @@ def read_device(
         rdma_devices=tuple(list_dir(f"{device_dir}/infiniband")) if "infiniband" in entries else (),
         has_default_route=any(name in default_route_ifaces for name in netdevs),
         vfio_cdev=vfio_cdev_of(device_dir) if "vfio-dev" in entries else None,
+        pcie_root=pcie_root_of(device_dir),
     )
+
+
+def pcie_root_of(bus_entry: str) -> str | None:
+    """The root complex a function sits below (``pci0000:00``), from one readlink of its
+    ``bus/pci/devices/<address>`` entry: the first component of the target under ``devices/``
+    (``../../../devices/pci0000:00/0000:00:02.0/0000:3b:00.0``), as the DRA helper
+    (``deviceattribute.GetPCIeRootAttributeByPCIBusID``) reads it; ``None`` when the target is
+    not below a ``pci<domain>:<bus>`` directory (a Hyper-V guest's functions sit below VMBus)."""
+    try:
+        target = os.readlink(bus_entry)
+    except OSError:
+        return None
+    # bus_entry is <sysfs>/bus/pci/devices/<address>: the target is resolved lexically from there
+    sysfs_devices = os.path.normpath(join(bus_entry, "..", "..", "..", "..", "devices"))
+    resolved = os.path.normpath(join(os.path.dirname(bus_entry), target))
+    if not resolved.startswith(sysfs_devices + "/"):
+        return None
+    root = resolved[len(sysfs_devices) + 1:].split("/", 1)[0]
+    return root if PCIE_ROOT.fullmatch(root) else None
 
 
 def vfio_cdev_of(device_dir: str) -> str | None:

@@ -1,0 +1,386 @@
+"""ResourceSlices for the DRA pools: the tree, kept on the API server as the scheduler sees it.
+
+``SlicePublisher`` is a subscriber of the notifier. Each tree it is offered wakes its one sync
+task, which writes only the pools whose published devices changed (coalesced as ListAndWatch
+is: a burst of trees is one write of the newest). A pool is ``<node>/<resource made valid>``;
+its devices (healthy, held by nobody: see ``_slices.slice_devices``) go out in slices of at most
+128, and every write raises the pool's generation and puts it on every slice of the pool, so a
+consumer never mixes two versions. Existing slices are updated in place (PUT, matched by name
+order); extra ones are deleted first (with uid and resourceVersion preconditions), missing ones
+created (``generateName``). A 409 re-reads the slice and tries again; a 422 is logged with the
+object and the server's causes and not tried again until the pool's devices change.
+
+A second task lists and watches our own slices (``spec.driver``, ``spec.nodeName``), which is
+how slices deleted by someone else (the kubelet wipes a node's slices when it starts, and a
+driver's when it loses it) are noticed and published again; our own writes go into the same
+view at once, so a watch event that lags behind them never makes us write twice. Slices of
+pools that are not DRA pools (any more) are deleted; while a pool moved back to the
+device-plugin API still has slices, it is ``withheld`` (the event loop serves it neither way)
+and ``on_change`` tells the loop when that ends.
+
+With no API server, no credentials or no Node object, one error line is logged (again only when
+the reason changes) and everything is retried with a backoff capped at 10 s; the rest of the
+daemon does not wait for any of it. At SIGTERM the slices stay: a restart publishes the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import trio
+
+from daemon.core import DRA_API, DRA_ROAD, DeviceTree, Hooks, ResourcePool
+from daemon.settings import Settings
+from daemon.supervise import Backoff
+
+from ._kube import Conflict, Expired, Invalid, Kube, KubeError, NotFound
+from ._names import pool_name
+from ._slices import slice_bodies, slice_devices
+
+log = logging.getLogger("devplugd.dra")
+
+RETRY_MAX = 10.0
+CONFLICT_RETRIES = 5
+
+JsonObject = dict[str, Any]
+
+
+def _pool_of(slice_object: Mapping[str, Any]) -> str:
+    return str(((slice_object.get("spec") or {}).get("pool") or {}).get("name", ""))
+
+
+def _version(obj: Mapping[str, Any]) -> int:
+    """The object's resourceVersion as a number (-1 when it is not one: then it is taken as new)."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion", ""))
+    except ValueError:
+        return -1
+
+
+class ApiLink:
+    """The API server connection, made on first use and shared (the slice tasks and Prepare)."""
+
+    def __init__(self, settings: Settings, connect: Callable[[Settings], Kube] | None = None) -> None:
+        self._settings = settings
+        self._connect = connect or (lambda s: Kube.connect(s.kubeconfig))
+        self._kube: Kube | None = None
+        self._lock = trio.Lock()
+
+    async def get(self) -> Kube:
+        """The connected client; raises KubeError when there are no usable credentials."""
+        async with self._lock:
+            if self._kube is None:
+                self._kube = await trio.to_thread.run_sync(self._connect, self._settings)
+            return self._kube
+
+    def close(self) -> None:
+        if self._kube is not None:
+            self._kube.close()
+
+
+class _Complaints:
+    """One error line per distinct reason, and a line when things work again."""
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+
+    def failed(self, error: Exception, retry_in: float) -> None:
+        reason = str(error)
+        if reason != self._last:
+            log.error("DRA: %s; retrying (every %.0f s at most)", reason, RETRY_MAX, extra={"EVENT": "dra"})
+            self._last = reason
+        else:
+            log.debug("DRA: %s; retrying in %.1f s", reason, retry_in)
+
+    def recovered(self, what: str) -> None:
+        if self._last is not None:
+            log.info("DRA: %s", what, extra={"EVENT": "dra"})
+            self._last = None
+
+
+class _Written:
+    """What we last wrote for a pool and the slices it went into."""
+
+    __slots__ = ("devices", "generation", "names")
+
+    def __init__(self, devices: list[JsonObject], generation: int, names: tuple[str, ...]) -> None:
+        self.devices = devices
+        self.generation = generation
+        self.names = names
+
+
+class SlicePublisher:
+    def __init__(self, settings: Settings, hooks: Mapping[str, Hooks], link: ApiLink,
+                 on_change: Callable[[str], None] = lambda reason: None) -> None:
+        self._settings = settings
+        self._driver = settings.dra_driver
+        self._node = settings.node_name
+        self._hooks = hooks
+        self._link = link
+        self._on_change = on_change
+        self._selector = f"spec.driver={self._driver},spec.nodeName={self._node}"
+        self._tree = DeviceTree.empty()
+        self._wakeup = trio.Event()
+        self._node_uid: str | None = None
+        self._server: dict[str, JsonObject] = {}  # our slices on the server by name, as last seen
+        self._deleted: dict[str, int] = {}  # slice name -> resourceVersion we deleted it at
+        self._listed = trio.Event()
+        self._devices: dict[str, tuple[ResourcePool, list[JsonObject]]] = {}  # resource -> (pool, devices)
+        self._written: dict[str, _Written] = {}  # pool name -> what we wrote
+        self._rejected: dict[str, list[JsonObject]] = {}  # pool name -> devices the server refused (422)
+        self._withheld: frozenset[str] = frozenset()  # resources with slices on the server
+        self.writes = 0  # slices created, updated or deleted so far (for tests and benchmarks)
+        self.synced = trio.Event()  # set after each sync round that left nothing to do
+        self.connected = False
+
+    # -- the subscriber and what the event loop asks ---------------------------------------------
+    def offer(self, tree: DeviceTree) -> None:
+        self._tree = tree
+        self._wake()
+
+    def withheld(self) -> frozenset[str]:
+        """Resources that have slices on the API server (as far as we know): the event loop
+        withholds such a pool from the kubelet when its config says ``devicePlugin``."""
+        return self._withheld
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    # -- the tasks --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        complaints = _Complaints()
+        backoff = Backoff(first=0.2, maximum=RETRY_MAX)
+        while True:
+            try:
+                kube = await self._link.get()
+                self._node_uid = await trio.to_thread.run_sync(kube.node_uid, self._node, abandon_on_cancel=True)
+                break
+            except NotFound as error:
+                delay = backoff.next_delay()
+                complaints.failed(KubeError(f"node {self._node} is not on the API server ({error})"), delay)
+            except KubeError as error:
+                delay = backoff.next_delay()
+                complaints.failed(error, delay)
+            await trio.sleep(delay)
+        self.connected = True
+        complaints.recovered(f"API server {kube.server} reachable; node {self._node} has uid {self._node_uid}")
+        log.info("DRA: publishing ResourceSlices of driver %s for node %s on %s", self._driver, self._node,
+                 kube.server, extra={"EVENT": "dra"})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_server, kube)
+            await self._sync_forever(kube)
+
+    async def _sync_forever(self, kube: Kube) -> None:
+        await self._listed.wait()
+        complaints = _Complaints()
+        backoff = Backoff(first=0.2, maximum=RETRY_MAX)
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            try:
+                await self._sync(kube)
+            except KubeError as error:
+                delay = backoff.next_delay()
+                complaints.failed(error, delay)
+                await trio.sleep(delay)
+                self._wake()  # try again even if nothing else happens
+                continue
+            backoff.reset()
+            complaints.recovered("ResourceSlices written again")
+            if not self._wakeup.is_set():
+                self.synced.set()
+                self.synced = trio.Event()
+
+    async def _follow_server(self, kube: Kube) -> None:
+        """List our slices, then watch them; list again after 410 Gone or a broken stream."""
+        complaints = _Complaints()
+        backoff = Backoff(first=0.2, maximum=RETRY_MAX)
+        while True:
+            try:
+                items, version = await trio.to_thread.run_sync(kube.list_slices, self._selector,
+                                                               abandon_on_cancel=True)
+                self._replace_view(items)
+                complaints.recovered("watching our ResourceSlices again")
+                backoff.reset()
+                while True:
+                    version = await trio.to_thread.run_sync(self._watch_until_it_ends, kube, version,
+                                                            trio.lowlevel.current_trio_token(),
+                                                            abandon_on_cancel=True)
+            except Expired:
+                continue
+            except KubeError as error:
+                delay = backoff.next_delay()
+                complaints.failed(error, delay)
+                await trio.sleep(delay)
+
+    def _watch_until_it_ends(self, kube: Kube, version: str, token: trio.lowlevel.TrioToken) -> str:
+        """(worker thread) Follow the watch, handing each event to the trio side; the version to
+        watch from next."""
+        for kind, obj in kube.watch_slices(self._selector, version):
+            new_version = (obj.get("metadata") or {}).get("resourceVersion")
+            if kind != "BOOKMARK":
+                trio.from_thread.run_sync(self._apply_event, kind, obj, trio_token=token)
+            if new_version:
+                version = str(new_version)
+        return version
+
+    # -- the view of our slices on the server ----------------------------------------------------
+    def _replace_view(self, items: Sequence[JsonObject]) -> None:
+        self._server = {item["metadata"]["name"]: item for item in items}
+        self._deleted.clear()
+        self._listed.set()
+        self._wake()
+
+    def _apply_event(self, kind: str, obj: JsonObject) -> None:
+        name = (obj.get("metadata") or {}).get("name")
+        if not name:
+            return
+        version = _version(obj)
+        known = self._server.get(name)
+        if kind == "DELETED":
+            if known is not None and _version(known) <= version:
+                del self._server[name]
+                if self._written_name(name):
+                    log.info("DRA: ResourceSlice %s (pool %s) was deleted by someone else; publishing it again",
+                             name, _pool_of(known), extra={"EVENT": "dra"})
+                self._wake()
+            return
+        if name in self._deleted and version <= self._deleted[name]:
+            return  # an event from before our own delete
+        if known is not None and _version(known) >= version >= 0:
+            return  # our own write, already in the view
+        self._server[name] = obj
+        self._wake()
+
+    def _written_name(self, name: str) -> bool:
+        return any(name in written.names for written in self._written.values())
+
+    def _slices_of(self, pool: str) -> list[JsonObject]:
+        return sorted((s for s in self._server.values() if _pool_of(s) == pool), key=lambda s: s["metadata"]["name"])
+
+    # -- one sync round --------------------------------------------------------------------------
+    def _desired(self, tree: DeviceTree) -> dict[str, tuple[str, list[JsonObject]]]:
+        """pool name -> (resource, devices) for every DRA pool of ``tree``; a pool's devices are
+        worked out again only when its ResourcePool changed."""
+        desired: dict[str, tuple[str, list[JsonObject]]] = {}
+        kept: dict[str, tuple[ResourcePool, list[JsonObject]]] = {}
+        for resource, pool in tree.pools.items():
+            if pool.road != DRA_ROAD:
+                continue
+            cached = self._devices.get(resource)
+            if cached is not None and cached[0] is pool:
+                devices = cached[1]
+            else:
+                hooks = self._hooks.get(pool.handler)
+                devices = slice_devices(pool, self._driver, hooks.describer if hooks is not None else None)
+            kept[resource] = (pool, devices)
+            desired[pool_name(self._node, resource)] = (resource, devices)
+        self._devices = kept
+        return desired
+
+    async def _sync(self, kube: Kube) -> None:
+        tree = self._tree
+        desired = self._desired(tree)
+        for pool, (_resource, devices) in desired.items():
+            if self._up_to_date(pool, devices) or self._rejected.get(pool) == devices:
+                continue
+            self._rejected.pop(pool, None)
+            await self._write_pool(kube, pool, devices)
+        ours = {pool_name(self._node, resource) for resource in tree.pools}
+        for pool in sorted({_pool_of(s) for s in self._server.values()} - desired.keys()):
+            why = "no longer served through DRA" if pool in ours else "no longer configured"
+            log.info("DRA: deleting the ResourceSlices of pool %s (%s)", pool, why,
+                     extra={"EVENT": "dra", "DRA_POOL": pool})
+            await self._delete_slices(kube, self._slices_of(pool))
+            self._written.pop(pool, None)
+        self._update_withheld(tree)
+
+    def _up_to_date(self, pool: str, devices: list[JsonObject]) -> bool:
+        """Whether the server has exactly what we last wrote for ``pool`` and that is ``devices``."""
+        written = self._written.get(pool)
+        if written is None or written.devices != devices:
+            return False
+        on_server = self._slices_of(pool)
+        return tuple(s["metadata"]["name"] for s in on_server) == written.names and all(
+            s["spec"]["pool"].get("generation") == written.generation for s in on_server)
+
+    async def _write_pool(self, kube: Kube, pool: str, devices: list[JsonObject]) -> None:
+        existing = self._slices_of(pool)
+        generations = [int(s["spec"]["pool"].get("generation", 0)) for s in existing]
+        last = self._written.get(pool)
+        generation = max([*generations, last.generation if last is not None else 0]) + 1
+        bodies = slice_bodies(driver=self._driver, node_name=self._node, node_uid=self._node_uid,
+                              pool_name=pool, generation=generation, devices=devices)
+        try:
+            await self._delete_slices(kube, existing[len(bodies):])  # obsolete ones first
+            names: list[str] = []
+            for index, body in enumerate(bodies):
+                current = existing[index] if index < len(existing) else None
+                written = await self._put_or_create(kube, body, current)
+                names.append(written["metadata"]["name"])
+        except Invalid as error:
+            log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
+                      "not tried again until its devices change", pool, generation, len(devices), len(bodies),
+                      error, "; ".join(error.causes) or "none given", extra={"EVENT": "dra", "DRA_POOL": pool})
+            self._rejected[pool] = devices
+            return
+        self._written[pool] = _Written(devices, generation, tuple(sorted(names)))
+        log.info("DRA: pool %s generation %d: %d devices in %d slices", pool, generation, len(devices), len(bodies),
+                 extra={"EVENT": "dra", "DRA_POOL": pool})
+
+    async def _put_or_create(self, kube: Kube, body: JsonObject, current: JsonObject | None) -> JsonObject:
+        for _ in range(CONFLICT_RETRIES):
+            if current is None:
+                written = await trio.to_thread.run_sync(kube.create_slice, body, abandon_on_cancel=True)
+                break
+            name = current["metadata"]["name"]
+            body["metadata"] = {**body["metadata"], "name": name,
+                                "resourceVersion": current["metadata"]["resourceVersion"]}
+            body["metadata"].pop("generateName", None)
+            try:
+                written = await trio.to_thread.run_sync(kube.replace_slice, name, body, abandon_on_cancel=True)
+                break
+            except Conflict:
+                log.info("DRA: ResourceSlice %s changed on the server; reading it again", name,
+                         extra={"EVENT": "dra"})
+                try:
+                    current = await trio.to_thread.run_sync(kube.read_slice, name, abandon_on_cancel=True)
+                except NotFound:
+                    current = None
+            except NotFound:
+                self._server.pop(name, None)
+                current = None
+            if current is not None:
+                self._server[name] = current
+        else:
+            raise KubeError(f"ResourceSlice {body['metadata'].get('name')}: still in conflict after "
+                            f"{CONFLICT_RETRIES} tries")
+        self.writes += 1
+        self._server[written["metadata"]["name"]] = written
+        return written
+
+    async def _delete_slices(self, kube: Kube, slices: Sequence[JsonObject]) -> None:
+        for item in slices:
+            metadata = item["metadata"]
+            await trio.to_thread.run_sync(kube.delete_slice, metadata["name"], metadata.get("uid", ""),
+                                          metadata.get("resourceVersion", ""), abandon_on_cancel=True)
+            self.writes += 1
+            self._server.pop(metadata["name"], None)
+            self._deleted[metadata["name"]] = _version(item)
+
+    def _update_withheld(self, tree: DeviceTree) -> None:
+        """Keep ``withheld()`` true, and tell the loop when it changed for a pool the config
+        serves through the device-plugin API (it is served neither way until its slices go)."""
+        on_server = {_pool_of(s) for s in self._server.values()}
+        published = frozenset(resource for resource in tree.pools if pool_name(self._node, resource) in on_server)
+        device_plugin = frozenset(resource for resource, pool in tree.pools.items()
+                                  if pool.pool_config.entry.allocation_api != DRA_API)
+        before, self._withheld = self._withheld & device_plugin, published
+        now = published & device_plugin
+        if now != before:
+            if released := before - now:
+                log.info("DRA: the slices of %s are deleted; the kubelet gets it now", ", ".join(sorted(released)),
+                         extra={"EVENT": "dra"})
+            self._on_change("slices withdrawn" if released else "slices to withdraw")

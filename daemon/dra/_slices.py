@@ -1,0 +1,239 @@
+"""A DRA pool as ResourceSlice objects (``resource.k8s.io/v1``), built from the tree alone.
+
+``slice_devices`` turns one pool into the ``devices[]`` entries it publishes and
+``slice_bodies`` cuts those into the ResourceSlices of one pool generation. Both are pure: the
+publisher decides when to call them and what to send.
+
+What a slice may hold is checked here against the API server's own limits (``validation.go``),
+so one bad attribute never costs a whole slice: an attribute the server would refuse is left
+out and logged (logger ``devplugd.dra``) with the reason, the device is still published.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, MutableSet, Sequence
+from typing import Any
+
+from daemon.core import HEALTHY, AttributeValue, DeviceDescriber, ResourcePool, dns_subdomain_problem
+
+from ._names import device_name
+
+log = logging.getLogger("devplugd.dra")
+
+API_VERSION = "resource.k8s.io/v1"
+MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
+MAX_ATTRIBUTES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice (we publish no capacities)
+MAX_STRING_LENGTH = 64  # DeviceAttributeMaxValueLength, in bytes (Go's len)
+MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the name part of a QualifiedName
+MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength: its domain
+INT64 = range(-(2**63), 2**63)
+# The API server makes a generated name from at most 58 characters of generateName and 5 random
+# ones (k8s.io/apiserver names.SimpleNameGenerator): we cut generateName there ourselves.
+GENERATE_NAME_MAX = 63 - 5
+INDEX_MIN_DIGITS = 5  # resourceSliceIndexMinLength of the Go helper
+MANAGED_BY = {"app.kubernetes.io/managed-by": "devplugd"}
+
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def qualified_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a device attribute name (a QualifiedName): a C identifier of at most
+    32 characters, optionally after a ``<DNS subdomain of at most 63>/`` domain; ``None`` if it is."""
+    domain, slash, identifier = name.rpartition("/")
+    if slash:
+        if "/" in domain:
+            return "has more than one '/'"
+        if problem := dns_subdomain_problem(domain, MAX_DOMAIN_LENGTH):
+            return f"domain {domain!r} {problem}"
+    if not _C_IDENTIFIER.fullmatch(identifier):
+        return f"{identifier!r} is not a C identifier (letters, digits, '_', not starting with a digit)"
+    if len(identifier) > MAX_ID_LENGTH:
+        return f"{identifier!r} is longer than {MAX_ID_LENGTH} characters"
+    return None
+
+
+def string_problem(value: str) -> str | None:
+    """Why ``value`` cannot be a string attribute: longer than 64 bytes."""
+    if len(value.encode()) > MAX_STRING_LENGTH:
+        return f"the value is longer than {MAX_STRING_LENGTH} bytes ({value[:80]!r})"
+    return None
+
+
+def attribute_value(value: object) -> tuple[dict[str, AttributeValue] | None, str | None]:
+    """``{"bool"|"int"|"string": value}`` for a Python value, or ``(None, why not)``."""
+    if isinstance(value, bool):  # before int: a bool is an int to Python, not to the API
+        return {"bool": value}, None
+    if isinstance(value, int):
+        if value not in INT64:
+            return None, f"the value {value} does not fit in int64"
+        return {"int": value}, None
+    if isinstance(value, str):
+        if problem := string_problem(value):
+            return None, problem
+        return {"string": value}, None
+    return None, f"a {type(value).__name__} is not an int, bool or string"
+
+
+class _Problems:
+    """Logs each problem once: per call, or across calls when the caller keeps ``seen``."""
+
+    def __init__(self, resource: str, seen: MutableSet[str] | None) -> None:
+        self._resource = resource
+        self._seen: MutableSet[str] = set() if seen is None else seen
+
+    def report(self, device_id: str, message: str) -> None:
+        key = f"{self._resource}\0{device_id}\0{message}"
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        log.warning("%s: %s", self._resource, message, extra={"RESOURCE": self._resource, "DEVICE_ID": device_id})
+
+    def drop(self, device_id: str, key: object, reason: str) -> None:
+        self.report(device_id, f"device {device_id}: attribute {key!r} left out of its ResourceSlice: {reason}")
+
+
+def slice_devices(
+    pool: ResourcePool,
+    driver: str,
+    describer: DeviceDescriber | None,
+    *,
+    seen: MutableSet[str] | None = None,
+) -> list[dict[str, Any]]:
+    """The ``devices[]`` entries ``pool`` publishes, in the order ListAndWatch lists them (by
+    device ID): every Healthy device that nothing holds and that has not vanished, as
+    ``{"name": device_name(id), "attributes": {...}}``.
+
+    Attributes: ``id`` (the device-plugin ID), ``resourceName`` (the pool's resource),
+    ``numaNode`` (when the device has exactly one NUMA node), then the describer's. An attribute
+    the API server would refuse (a bad name, a string over 64 bytes, a value that is not an
+    int, bool or string, more than 32 in all) or that repeats one already set (``foo`` and
+    ``<driver>/foo`` are one name) is left out; a describer that raises contributes nothing; a
+    device whose name an earlier device of the pool has is left out. Each is logged with its
+    reason, once per call or, when the caller passes the same ``seen`` set every time, once in all.
+
+    A pool whose resource name is over 64 bytes publishes no devices: ``resourceName`` is what
+    its DeviceClass selects on, and a device of our driver without it would make every class's
+    selector fail on it (a CEL error, not a mismatch).
+    """
+    problems = _Problems(pool.resource, seen)
+    if problem := string_problem(pool.resource):
+        problems.report("", f"no devices published: the resource name cannot be an attribute: {problem}")
+        return []
+    own_prefix = f"{driver}/"
+    devices: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # device name -> the device ID that has it
+    for device_id, health, numa_nodes in pool.listing:
+        if health != HEALTHY or pool.held(device_id) or device_id in pool.vanished:
+            continue
+        name = device_name(device_id)
+        if name in names:
+            problems.report(device_id, f"device {device_id} left out of its ResourceSlice: its name {name!r} "
+                                       f"is the name of device {names[name]} already")
+            continue
+        names[name] = device_id
+        attributes: dict[str, dict[str, AttributeValue]] = {}
+        core: dict[str, AttributeValue] = {"id": device_id, "resourceName": pool.resource}
+        if len(numa_nodes) == 1:
+            core["numaNode"] = numa_nodes[0]
+        for key, value in core.items():
+            _add(attributes, key, key, value, problems, device_id)
+        for described, described_value in _described(pool, device_id, describer, problems):
+            if not isinstance(described, str):
+                problems.drop(device_id, described, "its name is not a string")
+                continue
+            short = described[len(own_prefix):] if described.startswith(own_prefix) else described
+            if short in attributes:
+                problems.drop(device_id, described, f"{short!r} is set already")
+            elif len(attributes) >= MAX_ATTRIBUTES:
+                problems.drop(device_id, described, f"a device has at most {MAX_ATTRIBUTES} attributes")
+            else:
+                _add(attributes, short, described, described_value, problems, device_id)
+        devices.append({"name": name, "attributes": attributes})
+    return devices
+
+
+def _described(
+    pool: ResourcePool, device_id: str, describer: DeviceDescriber | None, problems: _Problems
+) -> list[tuple[object, object]]:
+    """The describer's attributes of one device (names and values as it gave them, checked by
+    the caller); none when it fails."""
+    if describer is None:
+        return []
+    try:
+        return list(describer.dra_attributes(pool, device_id).items())
+    except Exception as error:
+        problems.report(device_id, f"device {device_id}: its handler's attributes left out of its ResourceSlice: "
+                                   f"the handler failed: {type(error).__name__}: {error}")
+        return []
+
+
+def _add(
+    attributes: dict[str, dict[str, AttributeValue]],
+    short: str,
+    key: str,
+    value: object,
+    problems: _Problems,
+    device_id: str,
+) -> None:
+    """Add ``value`` as ``short`` (``key`` without our own domain) unless the server would refuse it."""
+    if problem := qualified_name_problem(key):
+        problems.drop(device_id, key, f"not a valid attribute name: {problem}")
+        return
+    typed, problem = attribute_value(value)
+    if typed is None:
+        problems.drop(device_id, key, problem or "not a valid value")
+        return
+    attributes[short] = typed
+
+
+def generate_name(index: int, slice_count: int, driver: str, node_name: str) -> str:
+    """``<index in hex>-<driver>-<node>-``, as the Go helper names slices from v0.36: the index
+    has as many hex digits as the pool's last index needs, at least 5, so the names sort in
+    slice order; cut to the 58 characters the API server keeps of a generateName."""
+    digits = max(INDEX_MIN_DIGITS, len(f"{max(slice_count - 1, 0):x}"))
+    return f"{index:0{digits}x}-{driver}-{node_name}-"[:GENERATE_NAME_MAX]
+
+
+def slice_bodies(
+    *,
+    driver: str,
+    node_name: str,
+    node_uid: str | None,
+    pool_name: str,
+    generation: int,
+    devices: Sequence[Mapping[str, Any]],
+    max_devices: int = MAX_DEVICES_PER_SLICE,
+) -> list[dict[str, Any]]:
+    """The ResourceSlices of one pool at ``generation``: ``devices`` in order, at most
+    ``max_devices`` a slice, each slice saying how many there are; one slice with no devices
+    for an empty pool ("an empty pool is different from no pool"). Owned by the Node (when its
+    UID is known), so they go when the node goes."""
+    if not 1 <= max_devices <= MAX_DEVICES_PER_SLICE:
+        raise ValueError(f"max_devices must be 1-{MAX_DEVICES_PER_SLICE}, not {max_devices}")
+    if generation < 0:
+        raise ValueError(f"generation must not be negative, not {generation}")
+    chunks = [list(devices[start:start + max_devices]) for start in range(0, len(devices), max_devices)] or [[]]
+    bodies = []
+    for index, chunk in enumerate(chunks):
+        metadata: dict[str, Any] = {
+            "generateName": generate_name(index, len(chunks), driver, node_name),
+            "labels": dict(MANAGED_BY),
+        }
+        if node_uid is not None:
+            metadata["ownerReferences"] = [
+                {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True},
+            ]
+        bodies.append({
+            "apiVersion": API_VERSION,
+            "kind": "ResourceSlice",
+            "metadata": metadata,
+            "spec": {
+                "driver": driver,
+                "nodeName": node_name,
+                "pool": {"name": pool_name, "generation": generation, "resourceSliceCount": len(chunks)},
+                "devices": chunk,
+            },
+        })
+    return bodies

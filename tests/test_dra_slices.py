@@ -1,0 +1,298 @@
+"""A DRA pool as ResourceSlices: which devices a slice carries, their attributes as the API
+server accepts them, and how a pool is cut into slices of one generation."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kubernetes.client import ApiClient
+
+from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
+from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
+from daemon.dra._slices import generate_name
+from tests.fakesysfs import FakeHost
+from tests.pci import Pci
+
+DRIVER = "devplugd.io"
+NODE = "node1"
+NODE_UID = "6f1d7a62-3c39-4b8e-9f54-2d0a1e7b9c10"
+PF = "0000:3b:00.0"
+VFS = [f"0000:3b:02.{i}" for i in range(4)]
+VF_NAMES = [device_name(vf) for vf in VFS]
+
+
+class Describer:
+    """A describer that says what it is told to, or fails."""
+
+    def __init__(self, attributes: Mapping[str, Any] | None = None, error: Exception | None = None) -> None:
+        self.attributes = dict(attributes or {})
+        self.error = error
+
+    def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]:
+        if self.error is not None:
+            raise self.error
+        return self.attributes
+
+
+def plain_pool(device_ids: list[str], resource: str = "example.com/things", **fields: Any) -> ResourcePool:
+    return ResourcePool(resource, "test", None, {i: DeviceInfo() for i in device_ids}, **fields)  # type: ignore[arg-type]
+
+
+def names(devices: list[dict[str, Any]]) -> list[str]:
+    return [device["name"] for device in devices]
+
+
+def dra_messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "devplugd.dra"]
+
+
+@pytest.fixture
+def vf_pool(pci: Pci, host: FakeHost) -> ResourcePool:
+    """Four iavf VFs of PF ens1f0, from the PCI handler's scan and build, served through DRA."""
+    host.add_pf(PF, netdev="ens1f0", driver="ice", device="1592")
+    host.add_vfs(PF, VFS, driver="iavf", device="1889", iommu_groups=[40, 41, 42, 43],
+                 netdev_names=[f"ens1f0v{i}" for i in range(4)])
+    pool = pci.pool({"resourceName": "sriov_vfs", "allocationApi": "dra", "selectors": {"drivers": ["iavf"]}})
+    return replace(pool, road="dra")
+
+
+# -- which devices ----------------------------------------------------------------------------
+
+
+def test_every_healthy_free_device_is_published_in_listing_order(vf_pool: ResourcePool, pci: Pci) -> None:
+    devices = slice_devices(vf_pool, DRIVER, pci.handler)
+    assert names(devices) == VF_NAMES
+    assert [device["attributes"]["id"] for device in devices] == [{"string": vf} for vf in VFS]
+
+
+@pytest.mark.parametrize("hold", ["leased", "claimed", "kubelet_held", "vanished"])
+def test_held_and_vanished_devices_are_left_out(vf_pool: ResourcePool, pci: Pci, hold: str) -> None:
+    pool = replace(vf_pool, **{hold: frozenset({VFS[1]})})
+    assert names(slice_devices(pool, DRIVER, pci.handler)) == [VF_NAMES[0], VF_NAMES[2], VF_NAMES[3]]
+
+
+def test_unhealthy_devices_are_left_out(vf_pool: ResourcePool, pci: Pci) -> None:
+    devices = dict(vf_pool.devices)
+    devices[VFS[2]] = replace(devices[VFS[2]], health=UNHEALTHY)
+    pool = replace(vf_pool, devices=devices)
+    assert names(slice_devices(pool, DRIVER, pci.handler)) == [VF_NAMES[0], VF_NAMES[1], VF_NAMES[3]]
+
+
+def test_a_pool_with_nothing_to_offer_publishes_no_devices(vf_pool: ResourcePool, pci: Pci) -> None:
+    pool = replace(vf_pool, claimed=frozenset(VFS[:2]), kubelet_held=frozenset(VFS[2:]))
+    assert slice_devices(pool, DRIVER, pci.handler) == []
+
+
+def test_device_order_is_the_device_ids_order_not_the_pools(pci: Pci) -> None:
+    pool = plain_pool(["kvm-2", "kvm-10", "kvm-1"])
+    assert names(slice_devices(pool, DRIVER, None)) == ["kvm-1", "kvm-10", "kvm-2"]
+
+
+def test_two_ids_with_one_device_name_keep_the_first_and_log_the_second(caplog: pytest.LogCaptureFixture) -> None:
+    hashed = device_name("A")  # "A" is no DNS label: its name is "a-<hash>", itself a DNS label
+    pool = plain_pool(["A", hashed])
+    with caplog.at_level(logging.WARNING, "devplugd.dra"):
+        devices = slice_devices(pool, DRIVER, None)
+    assert [device["attributes"]["id"]["string"] for device in devices] == ["A"]
+    (message,) = dra_messages(caplog)
+    assert f"device {hashed} left out" in message and "is the name of device A" in message
+
+
+# -- core attributes --------------------------------------------------------------------------
+
+
+def test_core_attributes_are_the_id_the_resource_and_a_single_numa_node() -> None:
+    pool = ResourcePool("example.com/things", "test", None, {  # type: ignore[arg-type]
+        "one": DeviceInfo(numa_nodes=(1,)), "two": DeviceInfo(numa_nodes=(0, 1)), "none": DeviceInfo()})
+    attributes = {device["name"]: device["attributes"] for device in slice_devices(pool, DRIVER, None)}
+    assert attributes["one"] == {"id": {"string": "one"}, "resourceName": {"string": "example.com/things"},
+                                 "numaNode": {"int": 1}}
+    assert "numaNode" not in attributes["two"] and "numaNode" not in attributes["none"]
+
+
+def test_bools_are_bools_and_ints_are_ints() -> None:
+    describer = Describer({"sriov": True, "count": 1, "zero": 0, "off": False})
+    (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+    assert {name: device["attributes"][name] for name in ("sriov", "count", "zero", "off")} == {
+        "sriov": {"bool": True}, "count": {"int": 1}, "zero": {"int": 0}, "off": {"bool": False}}
+    assert json.dumps(device["attributes"]["sriov"]) == '{"bool": true}'
+
+
+def test_prefixed_attributes_keep_their_domain_and_our_own_domain_is_dropped() -> None:
+    describer = Describer({"resource.kubernetes.io/pciBusID": "0000:3b:02.0", f"{DRIVER}/model": "x710"})
+    (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+    assert device["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:3b:02.0"}
+    assert device["attributes"]["model"] == {"string": "x710"}
+    assert f"{DRIVER}/model" not in device["attributes"]
+
+
+# -- bad attributes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "reason"),
+    [
+        ("long", "x" * 65, "longer than 64 bytes"),
+        ("accented", "é" * 33, "longer than 64 bytes"),  # 33 characters, 66 bytes
+        ("bad name", "v", "not a C identifier"),
+        ("1st", "v", "not a C identifier"),
+        ("x" * 33, "v", "longer than 32 characters"),
+        ("a/b/c", "v", "more than one '/'"),
+        ("Example.COM/x", "v", "domain 'Example.COM'"),
+        ("/x", "v", "domain ''"),
+        ("ratio", 0.5, "a float is not an int, bool or string"),
+        ("missing", None, "a NoneType is not"),
+        ("huge", 2**63, "does not fit in int64"),
+        ("id", "other", "'id' is set already"),
+        (f"{DRIVER}/resourceName", "other", "'resourceName' is set already"),
+    ],
+)
+def test_an_attribute_the_server_would_refuse_is_left_out_with_its_reason(
+    caplog: pytest.LogCaptureFixture, name: str, value: Any, reason: str
+) -> None:
+    describer = Describer({name: value, "fine": "yes"})
+    with caplog.at_level(logging.WARNING, "devplugd.dra"):
+        (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+    assert device["attributes"]["fine"] == {"string": "yes"}
+    assert device["attributes"]["id"] == {"string": "a"}
+    assert device["attributes"]["resourceName"] == {"string": "example.com/things"}
+    if name != "id":
+        assert name not in device["attributes"]
+    (message,) = dra_messages(caplog)
+    assert f"device a: attribute {name!r} left out" in message and reason in message
+
+
+def test_a_describer_that_fails_contributes_nothing_and_the_device_is_still_published(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, "devplugd.dra"):
+        devices = slice_devices(plain_pool(["a", "b"]), DRIVER, Describer(error=KeyError("gone")))
+    assert [set(device["attributes"]) for device in devices] == [{"id", "resourceName"}] * 2
+    assert dra_messages(caplog) == [
+        f"example.com/things: device {i}: its handler's attributes left out of its ResourceSlice: "
+        "the handler failed: KeyError: 'gone'" for i in ("a", "b")]
+
+
+def test_attributes_beyond_32_are_left_out(caplog: pytest.LogCaptureFixture) -> None:
+    describer = Describer({f"a{index:02}": index for index in range(40)})
+    with caplog.at_level(logging.WARNING, "devplugd.dra"):
+        (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+    assert len(device["attributes"]) == 32
+    assert "a29" in device["attributes"] and "a30" not in device["attributes"]  # id, resourceName, a00..a29
+    assert len(dra_messages(caplog)) == 10
+    assert all("at most 32 attributes" in message for message in dra_messages(caplog))
+
+
+def test_a_long_device_id_loses_its_id_attribute_not_its_place(caplog: pytest.LogCaptureFixture) -> None:
+    device_id = "d" * 70
+    with caplog.at_level(logging.WARNING, "devplugd.dra"):
+        (device,) = slice_devices(plain_pool([device_id]), DRIVER, None)
+    assert device["name"] == device_name(device_id) and "id" not in device["attributes"]
+    assert len(dra_messages(caplog)) == 1
+
+
+def test_a_resource_name_too_long_for_its_attribute_publishes_no_devices(caplog: pytest.LogCaptureFixture) -> None:
+    resource = "devices." + "a" * 50 + ".example.com/things"
+    with caplog.at_level(logging.WARNING, "devplugd.dra"):
+        assert slice_devices(plain_pool(["a"], resource), DRIVER, None) == []
+    (message,) = dra_messages(caplog)
+    assert message.startswith(f"{resource}: no devices published") and "longer than 64 bytes" in message
+
+
+def test_a_problem_is_logged_once_across_publications_given_the_same_seen_set(caplog: pytest.LogCaptureFixture) -> None:
+    describer = Describer({"bad name": 1})
+    seen: set[str] = set()
+    with caplog.at_level(logging.WARNING, "devplugd.dra"):
+        for _ in range(3):
+            slice_devices(plain_pool(["a"]), DRIVER, describer, seen=seen)
+        slice_devices(plain_pool(["a"]), DRIVER, describer)  # no set: logged again
+    assert len(dra_messages(caplog)) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "valid"),
+    [("id", True), ("_x9", True), ("a" * 32, True), ("resource.kubernetes.io/pciBusID", True),
+     ("gpu.nvidia.com/uuid", True), ("a" * 33, False), ("9x", False), ("x-y", False), ("", False),
+     ("a.b/", False), ("UPPER.io/x", False), ("a/b/c", False), (("d" * 64) + ".io/x", False)],
+)
+def test_qualified_names(name: str, valid: bool) -> None:
+    assert (qualified_name_problem(name) is None) == valid
+
+
+def test_string_length_is_counted_in_bytes() -> None:
+    assert string_problem("x" * 64) is None
+    assert string_problem("é" * 32) is None
+    assert string_problem("é" * 33) is not None
+
+
+# -- slices -------------------------------------------------------------------------------------
+
+
+def bodies(devices: list[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
+    arguments: dict[str, Any] = {"driver": DRIVER, "node_name": NODE, "node_uid": NODE_UID,
+                                 "pool_name": pool_name(NODE, "example.com/things"), "generation": 7,
+                                 "devices": devices, **fields}
+    return slice_bodies(**arguments)
+
+
+def test_300_devices_are_three_slices_of_one_generation_in_order() -> None:
+    devices = slice_devices(plain_pool([f"dev-{index:03}" for index in range(300)]), DRIVER, None)
+    slices = bodies(devices)
+    assert [len(body["spec"]["devices"]) for body in slices] == [128, 128, 44]
+    assert [body["spec"]["pool"] for body in slices] == [
+        {"name": "node1/example.com/things", "generation": 7, "resourceSliceCount": 3}] * 3
+    assert [device for body in slices for device in body["spec"]["devices"]] == devices
+    assert [body["metadata"]["generateName"] for body in slices] == [
+        "00000-devplugd.io-node1-", "00001-devplugd.io-node1-", "00002-devplugd.io-node1-"]
+
+
+def test_a_slice_is_owned_by_its_node_and_says_who_made_it() -> None:
+    (body,) = bodies(slice_devices(plain_pool(["a"]), DRIVER, None))
+    assert body["apiVersion"] == "resource.k8s.io/v1" and body["kind"] == "ResourceSlice"
+    assert body["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE_UID, "controller": True}]
+    assert body["metadata"]["labels"] == {"app.kubernetes.io/managed-by": "devplugd"}
+    assert body["spec"]["driver"] == DRIVER and body["spec"]["nodeName"] == NODE
+
+
+def test_without_the_node_uid_there_is_no_owner() -> None:
+    (body,) = bodies([], node_uid=None)
+    assert "ownerReferences" not in body["metadata"]
+
+
+def test_an_empty_pool_is_one_empty_slice() -> None:
+    (body,) = bodies([])
+    assert body["spec"]["devices"] == []
+    assert body["spec"]["pool"]["resourceSliceCount"] == 1
+
+
+def test_a_smaller_slice_size_is_honoured_and_a_bad_one_refused() -> None:
+    devices = slice_devices(plain_pool([f"d{index}" for index in range(5)]), DRIVER, None)
+    assert [len(body["spec"]["devices"]) for body in bodies(devices, max_devices=2)] == [2, 2, 1]
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match="max_devices"):
+            bodies(devices, max_devices=bad)
+    with pytest.raises(ValueError, match="generation"):
+        bodies(devices, generation=-1)
+
+
+def test_generate_name_index_grows_past_five_hex_digits_and_the_name_is_cut_to_58() -> None:
+    assert generate_name(0, 1, DRIVER, NODE) == "00000-devplugd.io-node1-"
+    assert generate_name(3, 0x100001, DRIVER, NODE) == "000003-devplugd.io-node1-"
+    long = generate_name(1, 2, "a" * 63, "n" * 253)
+    assert len(long) == 58 and long.startswith("00001-" + "a" * 52)
+
+
+def test_slices_are_what_the_kubernetes_client_models_read(vf_pool: ResourcePool, pci: Pci) -> None:
+    """Every key is one the v1 models know, with the shape they expect: a round trip through
+    V1ResourceSlice gives the same object back."""
+    client = ApiClient()
+    for body in bodies(slice_devices(vf_pool, DRIVER, pci.handler)) + bodies([]):
+        model = client.deserialize(SimpleNamespace(data=json.dumps(body)), "V1ResourceSlice")
+        assert client.sanitize_for_serialization(model) == body
