@@ -38,6 +38,7 @@ from daemon.core import (
     HostChanges,
     LeasesChanged,
     Notifier,
+    PluginSocketRemoved,
     Resync,
     load_config,
     load_handlers,
@@ -45,6 +46,7 @@ from daemon.core import (
     tell_lifecycle,
 )
 from daemon.deviceplugin import Endpoints
+from daemon.dra import DraDriver
 from daemon.host import HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
 from daemon.service import ServiceManager, StatusReporter
@@ -145,20 +147,26 @@ async def _serve(
                 endpoints.remove_stale_sockets()
                 status = StatusReporter(service, endpoints)
                 endpoints.on_change = status.refresh
-                for consumer in (endpoints, cdi, status):
+                inotify = _inotify(settings, endpoints.mode)
+
+                def send(event: Event) -> None:
+                    nursery.start_soon(send_channel.send, event)
+
+                dra = DraDriver(settings, handlers, notifier, send, nursery, inotify.add_socket_dir, leases.holders)
+                for consumer in (endpoints, dra, cdi, status):
                     notifier.subscribe(consumer)
-                nursery.start_soon(endpoints.follow_kubelet, kubelet_receive)
+                nursery.start_soon(_follow_kubelet, kubelet_receive, endpoints, dra)
                 nursery.start_soon(keep_running, "the CDI writer", cdi.run, Backoff(first=0.1, maximum=10.0))
                 loop = EventLoop(handlers, config, notifier, reload_config, service, leases.holders,
-                                 settings.device_plugin_dir)
+                                 settings.device_plugin_dir, claim_holders=dra.holders, dra_withheld=dra.withheld)
                 nursery.start_soon(loop.run, receive_channel)
-                host_changes.connect(lambda event: nursery.start_soon(send_channel.send, event))
+                host_changes.connect(send)
                 host_api = HostServicer(
-                    notifier, handlers, leases, settings.device_plugin_dir,
-                    lambda: nursery.start_soon(send_channel.send, LeasesChanged("lease")),
+                    notifier, handlers, leases, settings.device_plugin_dir, lambda: send(LeasesChanged("lease")),
+                    claim_holders=dra.holders,
                 )
                 await nursery.start(serve_control_socket, settings.control_socket, settings.control_group, host_api)
-                await _start_sources(nursery, settings, handlers, endpoints.mode, send_channel, kubelet_send)
+                await _start_sources(nursery, settings, handlers, inotify, send_channel, kubelet_send)
                 # Sources listen before the first scan, so nothing that happens during it is lost.
                 await send_channel.send(Resync(None, "start"))
                 nursery.start_soon(_announce_ready, loop, endpoints, settings, service)
@@ -186,15 +194,27 @@ async def _announce_ready(loop: EventLoop, endpoints: Endpoints, settings: Setti
     service.ready()
 
 
-async def _start_sources(
-    nursery: trio.Nursery, settings: Settings, handlers: Mapping[str, AnyHandler], mode: str,
-    send_channel: trio.MemorySendChannel[Event], kubelet_send: trio.MemorySendChannel[Event],
-) -> None:
+def _inotify(settings: Settings, mode: str) -> InotifySource:
+    """The one inotify source: our socket directories, the kubelet's checkpoint, the config."""
     socket_dirs = [settings.plugins_registry_dir if mode == "watcher" else settings.device_plugin_dir]
     if mode == "watcher":
         socket_dirs.append(settings.device_plugin_dir)
     socket_dirs[0].mkdir(mode=0o750, parents=True, exist_ok=True)
-    inotify = InotifySource(socket_dirs, settings.device_plugin_dir, settings.config_path)
+    return InotifySource(socket_dirs, settings.device_plugin_dir, settings.config_path)
+
+
+async def _follow_kubelet(events: trio.MemoryReceiveChannel[Event], endpoints: Endpoints, dra: DraDriver) -> None:
+    """The kubelet's restarts and removals of our sockets, to whoever serves those sockets."""
+    async for event in events:
+        endpoints.kubelet_event(event)
+        if isinstance(event, PluginSocketRemoved):
+            dra.socket_removed(event.path)
+
+
+async def _start_sources(
+    nursery: trio.Nursery, settings: Settings, handlers: Mapping[str, AnyHandler], inotify: InotifySource,
+    send_channel: trio.MemorySendChannel[Event], kubelet_send: trio.MemorySendChannel[Event],
+) -> None:
     nursery.start_soon(inotify.run, send_channel.clone(), kubelet_send)
     uevents = make_uevent_source(settings.uevent_source, uevent_subsystems(handlers))
     await nursery.start(uevents.run, send_channel.clone())

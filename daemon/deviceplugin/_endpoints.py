@@ -134,11 +134,10 @@ class Endpoints:
             await keep_running(f"the endpoint of {endpoint.resource}", endpoint.run,
                                Backoff(first=0.5, maximum=10.0), {"RESOURCE": endpoint.resource})
 
-    async def follow_kubelet(self, events: trio.MemoryReceiveChannel[Event]) -> None:
-        """Pass the kubelet's restarts and socket removals to every endpoint."""
-        async for event in events:
-            for endpoint, _ in tuple(self._endpoints.values()):
-                if isinstance(event, KubeletSocketCreated):
-                    endpoint.kubelet_started()
-                elif isinstance(event, PluginSocketRemoved):
-                    endpoint.socket_removed(event.path)
+    def kubelet_event(self, event: Event) -> None:
+        """Pass a kubelet restart or a socket removal to every endpoint."""
+        for endpoint, _ in tuple(self._endpoints.values()):
+            if isinstance(event, KubeletSocketCreated):
+                endpoint.kubelet_started()
+            elif isinstance(event, PluginSocketRemoved):
+                endpoint.socket_removed(event.path)

@@ -2,6 +2,7 @@
 ResourceSlices and prepared for ResourceClaims by the kubelet's DRA manager."""
 
 from ._deviceclasses import DeviceClassError, device_class_name, device_classes, rbac_objects, selector_expression
+from ._driver import DraDriver
 from ._health import HealthServicer
 from ._names import device_name, pool_name
 from ._slices import qualified_name_problem, slice_bodies, slice_devices, string_problem
@@ -10,6 +11,7 @@ from ._sockets import SUPPORTED_VERSIONS, DraSockets, V1beta1Adapter
 __all__ = [
     "SUPPORTED_VERSIONS",
     "DeviceClassError",
+    "DraDriver",
     "DraSockets",
     "HealthServicer",
     "V1beta1Adapter",

@@ -107,6 +107,7 @@ class ClaimPreparer:
         on_change: Callable[[str], None],
         *,
         get_timeout: float = CLAIM_GET_TIMEOUT,
+        lease_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
     ) -> None:
         self._driver = driver
         self._node = node_name
@@ -117,6 +118,8 @@ class ClaimPreparer:
         self._get_claim = get_claim
         self._on_change = on_change
         self._get_timeout = get_timeout
+        # host leases as the lease book has them now: a lease granted a moment ago is not in the tree yet
+        self._lease_holders = lease_holders
         self._kind = cdi_kind(f"{driver}/claim")
         self._lock = trio.Lock()
         # with a lost checkpoint: the claims whose specs say they were prepared before (None: not read yet)
@@ -239,6 +242,7 @@ class ClaimPreparer:
             merged.setdefault((result.pool, result.device), []).append(result)
         exclusive = {(d.resource, d.device_id): claim for claim in self._claims.claims.values()
                      for d in claim.devices if not d.admin_access}
+        leases = self._lease_holders()
         chosen: list[_Chosen] = []
         for (pool_label, name), device_results in merged.items():
             pool = pools.get(pool_label)
@@ -259,7 +263,7 @@ class ClaimPreparer:
                 raise ClaimRefused(f"{what} is gone from the host")
             if pool.devices[device_id].health != HEALTHY:
                 raise ClaimRefused(f"{what} is {pool.devices[device_id].health}")
-            if device_id in pool.leased:
+            if device_id in pool.leased or (pool.resource, device_id) in leases:
                 raise ClaimRefused(f"{what} is held by a host lease")
             if device_id in pool.kubelet_held:
                 raise ClaimRefused(f"{what} is held by a pod through the device-plugin API (the kubelet's checkpoint)")

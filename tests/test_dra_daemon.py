@@ -1,0 +1,300 @@
+"""The real daemon as a DRA driver: the API server stand-in (real HTTP through the official
+client), the kubelet stand-in's DRA side over real unix sockets, the fake sysfs and uevents.
+
+What a user of a DRA pool sees: its devices published as ResourceSlices the moment the kernel
+says so, republished when the kubelet wipes them, claims prepared into CDI specs, and a pool
+moved between the two APIs without ever being offered twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.dra import device_name
+from tests.apiserver import ApiServer
+from tests.daemonrun import DaemonProcess, control_cli, wait_for_control
+from tests.fakesysfs import FakeHost
+from tests.kubelet import FakeKubelet
+from tests.seam import PF, Seam, create_vfs, remove_vf
+
+DRIVER = "devplugd.io"
+NODE = "node1"
+TOKEN = "node1-token"
+RESOURCE = "intel.com/sriov_vfs"
+POOL = f"{NODE}/intel.com/sriov-vfs"
+
+
+def config(api: str = "dra", *, kvm: bool = True) -> dict[str, Any]:
+    pools: list[dict[str, Any]] = [{"resourceName": "sriov_vfs", "allocationApi": api,
+                                    "selectors": {"drivers": ["vfio-pci"]}}]
+    if kvm:
+        pools.append({"resourceName": "kvm", "deviceType": "devNode", "selectors": {"paths": ["/dev/kvm"]}})
+    return {"resourceList": pools}
+
+
+def add_kvm(host: FakeHost) -> None:
+    """The PF of the VFs, and a real /dev/kvm node (under the fake dev root) for a devNode pool."""
+    host.add_pf(PF, netdev="ens1f0")
+    host.dev.mkdir(parents=True, exist_ok=True)
+    os.mknod(host.dev / "kvm", 0o600 | stat.S_IFCHR, os.makedev(10, 232))
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServer]:
+    with ApiServer(token=TOKEN) as server:
+        server.add_node(NODE)
+        yield server
+    assert server.internal_errors == []
+
+
+@pytest.fixture
+def dra_kubelet(short_tmp: Path) -> Iterator[FakeKubelet]:
+    stand_in = FakeKubelet(short_tmp / "device-plugins", short_tmp / "plugins_registry")
+    stand_in.start()
+    yield stand_in
+    stand_in.close()
+
+
+@pytest.fixture
+def start_dra(run_daemon: Callable[..., DaemonProcess], seam: Seam, api: ApiServer, host: FakeHost,
+              short_tmp: Path) -> Callable[..., DaemonProcess]:
+    add_kvm(host)
+
+    def start(pools: dict[str, Any] | None = None, *extra: str) -> DaemonProcess:
+        kubeconfig = api.kubeconfig(short_tmp / "kubeconfig")
+        return dra_daemon(run_daemon, seam, short_tmp, pools or config(), "--kubeconfig", str(kubeconfig), *extra)
+    return start
+
+
+def dra_daemon(run_daemon: Callable[..., DaemonProcess], seam: Seam, short_tmp: Path, pools: dict[str, Any],
+               *extra: str) -> DaemonProcess:
+    """The daemon with uevents from ``seam``, this node's name and a DRA plugin directory."""
+    daemon = run_daemon(pools, "--uevent-source", f"unix:{seam.path}", "--node-name", NODE,
+                        "--dra-plugin-dir", str(short_tmp / "plugins"), *extra, registration="kubelet")
+    seam.wait_ready()
+    return daemon
+
+
+def published(api: ApiServer, pool: str = POOL) -> dict[str, dict[str, Any]]:
+    """Device name -> attributes of the pool's newest generation on the API server, checking that
+    every slice of it says the same generation and slice count."""
+    slices = [s for s in api.slices(driver=DRIVER, node=NODE) if s["spec"]["pool"]["name"] == pool]
+    if not slices:
+        return {}
+    generations = {s["spec"]["pool"]["generation"] for s in slices}
+    assert len(generations) == 1, f"slices of {pool} with generations {generations}"
+    assert {s["spec"]["pool"]["resourceSliceCount"] for s in slices} == {len(slices)}
+    return {d["name"]: d.get("attributes", {}) for s in slices for d in s["spec"]["devices"]}
+
+
+def wait_published(api: ApiServer, names: set[str], pool: str = POOL, timeout: float = 10) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        devices = published(api, pool)
+        return devices if set(devices) == names and api.slices(driver=DRIVER) else None
+    result: dict[str, Any] = api.wait_until(ready, timeout, f"pool {pool} with {sorted(names)}")
+    return result
+
+
+def names(*addresses: str) -> set[str]:
+    return {device_name(address) for address in addresses}
+
+
+def claim(api: ApiServer, name: str, *addresses: str, pool: str = POOL, **options: Any) -> tuple[str, str, str]:
+    results = [{"request": "vf", "driver": DRIVER, "pool": pool, "device": device_name(a)} for a in addresses]
+    uid = api.put_claim("default", name, results=results, **options)
+    return ("default", uid, name)
+
+
+def test_a_dra_pool_is_published_with_its_attributes_and_a_hotplugged_vf_joins_it(
+    api: ApiServer, host: FakeHost, seam: Seam, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    vfs = create_vfs(host, None, 0, 2)
+    start_dra()
+    devices = wait_published(api, names(*vfs))
+    first = devices[device_name(vfs[0])]
+    assert first["id"] == {"string": vfs[0]}
+    assert first["resourceName"] == {"string": RESOURCE}
+    assert first["resource.kubernetes.io/pciBusID"] == {"string": vfs[0]}
+    assert first["vendor"] == {"string": "8086"} and first["driver"] == {"string": "vfio-pci"}
+    assert first["vfIndex"] == {"int": 0} and first["pfPciAddress"] == {"string": PF}
+    (owner,) = api.slices(driver=DRIVER)[0]["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("Node", NODE, True)
+    # the DRA pool is not offered to the kubelet's device manager; the devNode pool is
+    dra_kubelet.wait_for_devices("intel.com/kvm", 1)
+    assert RESOURCE not in dra_kubelet.resources
+    added = create_vfs(host, seam, 2, 1)
+    wait_published(api, names(*vfs, *added))
+    remove_vf(host, seam, 0)
+    wait_published(api, names(vfs[1], *added))
+
+
+def test_unchanged_pools_are_not_written_again(
+    api: ApiServer, host: FakeHost, seam: Seam, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    vfs = create_vfs(host, None, 0, 2)
+    start_dra()
+    wait_published(api, names(*vfs))
+
+    def writes() -> list[str]:
+        return [f"{r.method} {r.path}" for r in api.requests if r.method in ("POST", "PUT", "DELETE")]
+
+    before = writes()
+    seam.send("change", host.devpath(vfs[0]), "pci", PCI_SLOT_NAME=vfs[0])  # nothing a slice shows changes
+    time.sleep(0.5)
+    assert writes() == before
+    added = create_vfs(host, seam, 2, 1)  # and a change that shows: one PUT of the pool's one slice
+    wait_published(api, names(*vfs, *added))
+    (write,) = writes()[len(before):]
+    assert write.startswith("PUT /apis/resource.k8s.io/v1/resourceslices/")
+
+
+def test_slices_wiped_by_the_kubelet_are_published_again(
+    api: ApiServer, host: FakeHost, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    vfs = create_vfs(host, None, 0, 2)
+    start_dra()
+    wait_published(api, names(*vfs))
+    assert api.wipe(NODE) == 1
+    wait_published(api, names(*vfs), timeout=2)  # "within a second", with room for a loaded machine
+
+
+def test_an_api_server_down_at_start_is_retried_and_device_plugin_pools_are_served_meanwhile(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    vfs = create_vfs(host, None, 0, 2)
+    api.down()
+    daemon = start_dra()
+    dra_kubelet.wait_for_devices("intel.com/kvm", 1)
+    wait_for_control(short_tmp / "control.sock")
+    daemon.wait_for_log("DRA:")
+    assert daemon.log.count("unreachable") == 1  # one clear line, not one per retry
+    api.up()
+    wait_published(api, names(*vfs), timeout=15)  # the backoff is capped at 10 s
+
+
+def test_a_missing_kubeconfig_is_one_error_line_and_the_rest_is_served(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess],
+    seam: Seam, short_tmp: Path
+) -> None:
+    add_kvm(host)
+    create_vfs(host, None, 0, 1)
+    daemon = dra_daemon(run_daemon, seam, short_tmp, config(), "--kubeconfig", str(short_tmp / "nowhere.conf"))
+    dra_kubelet.wait_for_devices("intel.com/kvm", 1)
+    daemon.wait_for_log("no API server credentials from kubeconfig")
+    assert str(short_tmp / "nowhere.conf") in daemon.log
+
+
+def test_a_claim_is_prepared_into_a_cdi_spec_and_unprepared(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    vfs = create_vfs(host, None, 0, 2)
+    start_dra()
+    wait_published(api, names(*vfs))
+    dra_kubelet.wait_for_dra(DRIVER)
+    ref = claim(api, "vf-claim", vfs[1])
+    answer = dra_kubelet.prepare([ref])[ref[1]]
+    (device,) = answer.devices
+    assert (device.pool_name, device.device_name) == (POOL, device_name(vfs[1]))
+    assert list(device.cdi_device_ids) == [f"{DRIVER}/claim={ref[1]}-{device_name(vfs[1])}"]
+    spec = json.loads((short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").read_text())
+    edits = spec["devices"][0]["containerEdits"]
+    assert f"PCIDEVICE_INTEL_COM_SRIOV_VFS={vfs[1]}" in edits["env"]
+    assert {n["path"] for n in edits["deviceNodes"]} == {"/dev/vfio/vfio", "/dev/vfio/201"}
+    assert dra_kubelet.prepare([ref])[ref[1]].devices[0].device_name == device_name(vfs[1])  # idempotent
+    listing = json.loads(control_cli(short_tmp / "control.sock", "list", "-o", "json").stdout)
+    (pool,) = [p for p in listing if p["resource"] == RESOURCE]
+    held = {d["id"]: (d["holder"], d.get("owner")) for d in pool["devices"]}
+    assert pool["allocation_api"] == "dra" and held[vfs[1]] == ("claim", "default/vf-claim")
+    refused = control_cli(short_tmp / "control.sock", "allocate", RESOURCE, "--device", vfs[1])
+    assert refused.returncode != 0 and "DRA claim default/vf-claim" in refused.stderr
+    dra_kubelet.unprepare([ref])
+    assert not (short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").exists()
+
+
+def test_prepared_claims_survive_a_restart(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    vfs = create_vfs(host, None, 0, 2)
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    ref = claim(api, "kept", vfs[0])
+    dra_kubelet.prepare([ref])
+    assert daemon.stop() == 0
+    assert published(api)  # slices stay at SIGTERM
+    start_dra()
+    dra_kubelet.wait_for_dra(DRIVER, registrations=2)
+    other = claim(api, "other", vfs[0])
+    refused = dra_kubelet.prepare([other], fail_on_claim_error=False)[other[1]]
+    assert "prepared for claim default/kept" in refused.error
+    dra_kubelet.unprepare([ref])
+    assert dra_kubelet.prepare([other])[other[1]].devices
+
+
+def test_a_kubelet_restart_gets_both_dra_sockets_served_again(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    create_vfs(host, None, 0, 1)
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    removed = dra_kubelet.restart_dra()
+    assert len(removed) == 2
+    dra_kubelet.wait_for_dra(DRIVER, registrations=2, timeout=3)
+    assert daemon.process.poll() is None
+
+
+def test_moving_a_pool_to_dra_and_back_never_offers_a_device_twice(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    vfs = create_vfs(host, None, 0, 3)
+    daemon = start_dra(config("devicePlugin"))
+    dra_kubelet.wait_for_devices(RESOURCE, 3)
+    dra_kubelet.write_checkpoint({RESOURCE: [vfs[0]]})  # a pod holds a VF through the device plugin
+    config_path = short_tmp / "config-0.json"
+    config_path.write_text(json.dumps(config("dra")))
+    daemon.process.send_signal(signal.SIGHUP)
+    # the kubelet's registration ends, and the slice leaves out what the pod still holds
+    dra_kubelet.wait_for(lambda k: not k.state(RESOURCE).connected, 5, f"{RESOURCE} disconnected")
+    wait_published(api, names(vfs[1], vfs[2]))
+    dra_kubelet.write_checkpoint({})  # the pod is gone
+    wait_published(api, names(*vfs), timeout=2)
+    dra_kubelet.wait_for_dra(DRIVER)
+    ref = claim(api, "during-dra", vfs[2])
+    dra_kubelet.prepare([ref])
+    # the way back: slices deleted first, then the kubelet gets the pool, less the prepared VF
+    config_path.write_text(json.dumps(config("devicePlugin")))
+    daemon.process.send_signal(signal.SIGHUP)
+    state = dra_kubelet.wait_for_devices(RESOURCE, 2)
+    assert published(api) == {}
+    assert set(state.devices) == {vfs[0], vfs[1]}
+    dra_kubelet.unprepare([ref])
+    dra_kubelet.wait_for_devices(RESOURCE, 3)
+
+
+def test_bad_driver_and_node_names_exit_2_with_the_reason(
+    run_daemon: Callable[..., DaemonProcess], host: FakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad_driver = run_daemon(config(), "--dra-driver", "Not_A_DNS_Name")
+    assert bad_driver.process.wait(20) == 2
+    assert "--dra-driver 'Not_A_DNS_Name'" in bad_driver.log
+    bad_flag = run_daemon(config(), "--node-name", "node_1")
+    assert bad_flag.process.wait(20) == 2
+    assert "node name 'node_1'" in bad_flag.log
+    monkeypatch.setenv("NODE_NAME", "Bad_Node")  # from the environment: checked because a pool uses DRA
+    bad_node = run_daemon(config())
+    assert bad_node.process.wait(20) == 2
+    assert "node name 'Bad_Node'" in bad_node.log and "DRA pools" in bad_node.log
+    without_dra = run_daemon(config("devicePlugin"))
+    without_dra.wait_for_log("pools")
+    assert without_dra.process.poll() is None
