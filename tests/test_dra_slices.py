@@ -71,10 +71,16 @@ def test_every_healthy_free_device_is_published_in_listing_order(vf_pool: Resour
     assert [device["attributes"]["id"] for device in devices] == [{"string": vf} for vf in VFS]
 
 
-@pytest.mark.parametrize("hold", ["leased", "claimed", "kubelet_held", "vanished"])
+@pytest.mark.parametrize("hold", ["leased", "kubelet_held", "vanished"])
 def test_held_and_vanished_devices_are_left_out(vf_pool: ResourcePool, pci: Pci, hold: str) -> None:
     pool = replace(vf_pool, **{hold: frozenset({VFS[1]})})
     assert names(slice_devices(pool, DRIVER, pci.handler)) == [VF_NAMES[0], VF_NAMES[2], VF_NAMES[3]]
+
+
+def test_devices_prepared_for_claims_stay_in_the_slice(vf_pool: ResourcePool, pci: Pci) -> None:
+    # the scheduler allocated them from this slice; their claims are what counts them taken
+    pool = replace(vf_pool, claimed=frozenset({VFS[1]}))
+    assert names(slice_devices(pool, DRIVER, pci.handler)) == VF_NAMES
 
 
 def test_unhealthy_devices_are_left_out(vf_pool: ResourcePool, pci: Pci) -> None:
@@ -85,7 +91,7 @@ def test_unhealthy_devices_are_left_out(vf_pool: ResourcePool, pci: Pci) -> None
 
 
 def test_a_pool_with_nothing_to_offer_publishes_no_devices(vf_pool: ResourcePool, pci: Pci) -> None:
-    pool = replace(vf_pool, claimed=frozenset(VFS[:2]), kubelet_held=frozenset(VFS[2:]))
+    pool = replace(vf_pool, leased=frozenset(VFS[:2]), kubelet_held=frozenset(VFS[2:]))
     assert slice_devices(pool, DRIVER, pci.handler) == []
 
 

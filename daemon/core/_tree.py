@@ -104,10 +104,6 @@ class ResourcePool:
             if device_id not in self.leased and device_id not in self.claimed
         )
 
-    def held(self, device_id: str) -> bool:
-        """Whether a host lease, a DRA claim or (for a DRA pool) a device-plugin pod holds it."""
-        return device_id in self.leased or device_id in self.claimed or device_id in self.kubelet_held
-
     @cached_property
     def healthy_count(self) -> int:
         return sum(1 for info in self.devices.values() if info.health == HEALTHY)

@@ -102,8 +102,11 @@ def slice_devices(
     seen: MutableSet[str] | None = None,
 ) -> list[dict[str, Any]]:
     """The ``devices[]`` entries ``pool`` publishes, in the order ListAndWatch lists them (by
-    device ID): every Healthy device that nothing holds and that has not vanished, as
-    ``{"name": device_name(id), "attributes": {...}}``.
+    device ID): every Healthy device that has not vanished and that no other road holds (a
+    host lease, a pod through the device-plugin API), as ``{"name": device_name(id),
+    "attributes": {...}}``. Devices prepared for claims stay: the scheduler allocated them from
+    these slices and counts them allocated through their claims; taking them out would only
+    rewrite the pool at every pod start.
 
     Attributes: ``id`` (the device-plugin ID), ``resourceName`` (the pool's resource),
     ``numaNode`` (when the device has exactly one NUMA node), then the describer's. An attribute
@@ -124,9 +127,11 @@ def slice_devices(
     own_prefix = f"{driver}/"
     devices: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # device name -> the device ID that has it
-    for device_id, health, numa_nodes in pool.listing:
-        if health != HEALTHY or pool.held(device_id) or device_id in pool.vanished:
+    for device_id, info in sorted(pool.devices.items()):
+        if info.health != HEALTHY or device_id in pool.vanished or device_id in pool.leased or (
+                device_id in pool.kubelet_held):
             continue
+        numa_nodes = info.numa_nodes
         name = device_name(device_id)
         if name in names:
             problems.report(device_id, f"device {device_id} left out of its ResourceSlice: its name {name!r} "
