@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, MutableSet, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from daemon.core import HEALTHY, AttributeValue, DeviceDescriber, ResourcePool, dns_subdomain_problem
@@ -33,7 +34,7 @@ INT64 = range(-(2**63), 2**63)
 # ones (k8s.io/apiserver names.SimpleNameGenerator): we cut generateName there ourselves.
 GENERATE_NAME_MAX = 63 - 5
 INDEX_MIN_DIGITS = 5  # resourceSliceIndexMinLength of the Go helper
-MANAGED_BY = {"app.kubernetes.io/managed-by": "devplugd"}
+MANAGED_BY: Mapping[str, str] = MappingProxyType({"app.kubernetes.io/managed-by": "devplugd"})  # our objects' label
 
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
