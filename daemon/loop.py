@@ -27,9 +27,10 @@ A handler hook that raises is logged with the event and keeps the handler's last
 
 A device that was in a pool of the previous tree and is gone from its handler's build (removed,
 or unbound from the driver the pool selects) leaves the pool at once, unless the kubelet's
-checkpoint shows it allocated in that pool: then it stays, its last record marked ``Unhealthy``
-(``ResourcePool.vanished``), so the pod's ``allocatedResourcesStatus`` shows the failure instead
-of the device silently disappearing; it leaves once the checkpoint no longer names it, and a
+checkpoint shows it allocated in that pool or it is prepared for a DRA claim: then it stays,
+its last record marked ``Unhealthy`` (``ResourcePool.vanished``), so the pod's
+``allocatedResourcesStatus`` (or the DRA health stream) shows the failure instead of the device
+silently disappearing; it leaves once the checkpoint (or the claim) lets it go, and a
 device that comes back is the handler's fresh record again. The checkpoint is read (in a worker
 thread: with many pods it is large) only when a device is gone or kept, and again only after it
 changed; one that cannot be read keeps every such device, Unhealthy, until it can.
@@ -349,10 +350,13 @@ class EventLoop:
         any_dra = any(pool_config.entry.allocation_api == DRA_API for _, pool_config, *_ in fresh)
         allocations = await self._allocations() if any_dra or any(gone for *_, gone in fresh) else {}
         holds = _Holds(self._lease_holders(), self._claim_holders(), allocations, self._dra_withheld())
+        # a device that vanishes while a pod has it, through either API, stays listed Unhealthy
+        in_use = None if allocations is None else {
+            **allocations, **{key: f"claim {claim}" for key, claim in holds.claims.items()}}
         for name, pool_config, devices, gone in fresh:
             vanished: frozenset[str] = frozenset()
             if gone:
-                devices, vanished = _keep_allocated(previous.pools[pool_config.resource], devices, gone, allocations)
+                devices, vanished = _keep_allocated(previous.pools[pool_config.resource], devices, gone, in_use)
             pools.append(self._pool(previous, name, pool_config, devices, holds, vanished))
         tree = DeviceTree.build(previous.version + 1, pools)
         self._notifier.publish(tree)

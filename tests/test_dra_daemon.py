@@ -176,8 +176,10 @@ def test_an_api_server_down_at_start_is_retried_and_device_plugin_pools_are_serv
     daemon = start_dra()
     dra_kubelet.wait_for_devices("intel.com/kvm", 1)
     wait_for_control(short_tmp / "control.sock")
-    daemon.wait_for_log("DRA:")
-    assert daemon.log.count("unreachable") == 1  # one clear line, not one per retry
+    daemon.wait_for_log("unreachable")
+    time.sleep(1.6)  # retries after 0.2, 0.4 and 0.8 s
+    errors = [line for line in daemon.log.splitlines() if " ERROR " in line and "unreachable" in line]
+    assert len(errors) == 1, daemon.log  # one clear line, not one per retry (those are debug lines)
     api.up()
     wait_published(api, names(*vfs), timeout=15)  # the backoff is capped at 10 s
 
@@ -230,8 +232,9 @@ def test_prepared_claims_survive_a_restart(
     dra_kubelet.wait_for_dra(DRIVER)
     ref = claim(api, "kept", vfs[0])
     dra_kubelet.prepare([ref])
+    wait_published(api, names(*vfs))
     assert daemon.stop() == 0
-    assert published(api)  # slices stay at SIGTERM
+    assert set(published(api)) == names(*vfs)  # slices stay at SIGTERM
     start_dra()
     dra_kubelet.wait_for_dra(DRIVER, registrations=2)
     other = claim(api, "other", vfs[0])
@@ -298,3 +301,26 @@ def test_bad_driver_and_node_names_exit_2_with_the_reason(
     without_dra = run_daemon(config("devicePlugin"))
     without_dra.wait_for_log("pools")
     assert without_dra.process.poll() is None
+
+
+def test_health_reaches_the_kubelet_and_a_prepared_vf_that_vanishes_stays_unhealthy_until_unprepared(
+    api: ApiServer, host: FakeHost, seam: Seam, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    vfs = create_vfs(host, None, 0, 2)
+    start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    dra_kubelet.watch_health()
+    keys = {(POOL, name) for name in names(*vfs)}
+    dra_kubelet.wait_for_health(lambda health: set(health) == keys and all(
+        state == "Healthy" for state, _ in health.values()), what="both VFs Healthy")
+    ref = claim(api, "in-use", vfs[0])
+    dra_kubelet.prepare([ref])
+    remove_vf(host, seam, 0)  # the VF goes while its pod runs
+    health = dra_kubelet.wait_for_health(lambda h: h.get((POOL, device_name(vfs[0])), ("",))[0] == "Unhealthy",
+                                         what="the vanished VF Unhealthy")
+    assert health[(POOL, device_name(vfs[1]))][0] == "Healthy"
+    wait_published(api, names(vfs[1]))  # and nobody can be given it
+    dra_kubelet.unprepare([ref])
+    # the next full list no longer has it (the kubelet lets an unreported device time out)
+    dra_kubelet.wait_for(lambda k: set(k.dra_state(DRIVER).health_messages[-1]) == {(POOL, device_name(vfs[1]))},
+                         what="a health list without the gone VF")

@@ -42,7 +42,7 @@ def test_list_shows_every_device_free_with_its_health(sriov, short_tmp, run_daem
     run_daemon(CONFIG, "--uevent-source", "none", registration="none")
     wait_for_control(short_tmp)
     pools = json.loads(cli(short_tmp, "list", "-o", "json").stdout)
-    assert pools == [{"resource": "intel.com/dpdk", "devices": [
+    assert pools == [{"resource": "intel.com/dpdk", "allocation_api": "devicePlugin", "devices": [
         {"id": vf, "health": "Healthy", "holder": "free", "numa_nodes": [0]} for vf in VFS]}]
     table = cli(short_tmp, "list").stdout
     assert "RESOURCE" in table and VFS[0] in table

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,15 @@ class Invalid(KubeError):
 
 class Expired(KubeError):
     """A watch's resourceVersion is too old (410 Gone): list again."""
+
+
+_OBJECT_ADDRESS = re.compile(r"<[^<>]* object at 0x[0-9a-f]+>:? ?")
+
+
+def _unreachable(what: str, server: str, error: Exception) -> KubeError:
+    """No answer: the same words for the same cause every time (urllib3 names its connection
+    objects by address), so that a retried failure is logged once."""
+    return KubeError(f"{what}: {server} unreachable: {type(error).__name__}: {_OBJECT_ADDRESS.sub('', str(error))}")
 
 
 _KINDS: Mapping[int, type[KubeError]] = {404: NotFound, 409: Conflict, 410: Expired, 422: Invalid}
@@ -121,7 +131,7 @@ class Kube:
         except ApiException as error:
             raise _error(what, error.status, error.body) from error
         except Exception as error:  # urllib3: refused, reset, timed out, TLS
-            raise KubeError(f"{what}: {self.server} unreachable: {type(error).__name__}: {error}") from error
+            raise _unreachable(what, self.server, error) from error
         return json.loads(data) if data else {}
 
     # -- the calls -------------------------------------------------------------------------------
@@ -155,7 +165,7 @@ class Kube:
         except ApiException as error:
             raise _error(what, error.status, error.body) from error
         except Exception as error:
-            raise KubeError(f"{what}: {self.server} unreachable: {type(error).__name__}: {error}") from error
+            raise _unreachable(what, self.server, error) from error
         try:
             for line in iter_resp_lines(response):
                 try:

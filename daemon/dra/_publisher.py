@@ -240,6 +240,8 @@ class SlicePublisher:
         version = _version(obj)
         known = self._server.get(name)
         if kind == "DELETED":
+            # kept even for a slice not in the view yet: our create's answer may come after it
+            self._deleted[name] = max(version, self._deleted.get(name, -1))
             if known is not None and _version(known) <= version:
                 del self._server[name]
                 if self._written_name(name):
@@ -358,7 +360,11 @@ class SlicePublisher:
             raise KubeError(f"ResourceSlice {body['metadata'].get('name')}: still in conflict after "
                             f"{CONFLICT_RETRIES} tries")
         self.writes += 1
-        self._server[written["metadata"]["name"]] = written
+        name = written["metadata"]["name"]
+        if self._deleted.get(name, -1) >= _version(written):
+            self._wake()  # deleted (a wipe) before its answer reached us: write the pool again
+        else:
+            self._server[name] = written
         return written
 
     async def _delete_slices(self, kube: Kube, slices: Sequence[JsonObject]) -> None:
