@@ -31,7 +31,7 @@ from daemon.settings import Settings
 from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
 from daemon.supervise import Backoff
 
-from ._registration import WatcherRegistrationServicer, register_with_kubelet, start_grpc_server
+from ._registration import register_with_kubelet, start_grpc_server, watcher_registration
 from ._servicer import DevicePluginServicer
 
 log = logging.getLogger("devplugd.endpoint")
@@ -150,7 +150,7 @@ class ResourceEndpoint:
                 self.resource, self._hooks, self._notifier, self._settings.cdi_in_allocate
             )
             registration = (
-                WatcherRegistrationServicer(self.resource, self._registration_status)
+                watcher_registration(self.resource, self._registration_status)
                 if self._mode == "watcher"
                 else None
             )

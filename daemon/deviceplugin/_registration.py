@@ -12,6 +12,7 @@ from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from daemon.registration import PluginRegistrationServicer
 from daemon.sockets import start_unix_server
 
 from ._servicer import DevicePluginServicer
@@ -19,31 +20,16 @@ from ._servicer import DevicePluginServicer
 API_VERSION = "v1beta1"
 
 
-class WatcherRegistrationServicer(reg_grpc.RegistrationServicer):
+def watcher_registration(resource: str, on_status: Callable[[bool, str], None]) -> PluginRegistrationServicer:
     """pluginregistration.Registration, served beside DevicePlugin on a plugins_registry socket."""
-
-    def __init__(self, resource: str, on_status: Callable[[bool, str], None]) -> None:
-        self._resource = resource
-        self._on_status = on_status
-
-    async def GetInfo(
-        self, request: reg.InfoRequest, context: grpc.aio.ServicerContext[reg.InfoRequest, reg.PluginInfo]
-    ) -> reg.PluginInfo:
-        return reg.PluginInfo(type="DevicePlugin", name=self._resource, endpoint="", supported_versions=[API_VERSION])
-
-    async def NotifyRegistrationStatus(
-        self,
-        request: reg.RegistrationStatus,
-        context: grpc.aio.ServicerContext[reg.RegistrationStatus, reg.RegistrationStatusResponse],
-    ) -> reg.RegistrationStatusResponse:
-        self._on_status(request.plugin_registered, request.error)
-        return reg.RegistrationStatusResponse()
+    info = reg.PluginInfo(type="DevicePlugin", name=resource, endpoint="", supported_versions=[API_VERSION])
+    return PluginRegistrationServicer(info, on_status)
 
 
 async def start_grpc_server(
     socket_path: str,
     servicer: DevicePluginServicer,
-    registration: WatcherRegistrationServicer | None,
+    registration: PluginRegistrationServicer | None,
 ) -> grpc.aio.Server:
     """Listen on ``socket_path`` (an asyncio coroutine: call it through aio_as_trio)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -37,6 +37,7 @@ from daemon._generated.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from daemon.registration import PluginRegistrationServicer
 from daemon.settings import Settings
 from daemon.sockets import SUN_PATH_MAX, remove_socket_file, start_unix_server
 from daemon.supervise import Backoff
@@ -101,25 +102,6 @@ class V1beta1Adapter(dra_v1beta1_grpc.DRAPluginServicer):
         answer = await self._v1.NodeUnprepareResources(
             convert(request, dra_v1.NodeUnprepareResourcesRequest), cast(Any, context))
         return convert(answer, dra_v1beta1.NodeUnprepareResourcesResponse)
-
-
-class _RegistrationServicer(reg_grpc.RegistrationServicer):
-    def __init__(self, info: reg.PluginInfo, on_status: Callable[[bool, str], None]) -> None:
-        self._info = info
-        self._on_status = on_status
-
-    async def GetInfo(
-        self, request: reg.InfoRequest, context: grpc.aio.ServicerContext[reg.InfoRequest, reg.PluginInfo]
-    ) -> reg.PluginInfo:
-        return self._info
-
-    async def NotifyRegistrationStatus(
-        self,
-        request: reg.RegistrationStatus,
-        context: grpc.aio.ServicerContext[reg.RegistrationStatus, reg.RegistrationStatusResponse],
-    ) -> reg.RegistrationStatusResponse:
-        self._on_status(request.plugin_registered, request.error)
-        return reg.RegistrationStatusResponse()
 
 
 @dataclass
@@ -237,7 +219,7 @@ class DraSockets:
         health_grpc.add_DRAResourceHealthServicer_to_server(self._health, server)
 
     def _add_registration(self, server: grpc.aio.Server) -> None:
-        reg_grpc.add_RegistrationServicer_to_server(_RegistrationServicer(self._info, self._registration_status),
+        reg_grpc.add_RegistrationServicer_to_server(PluginRegistrationServicer(self._info, self._registration_status),
                                                     server)
 
     async def _serve(self, path: Path, add_services: Callable[[grpc.aio.Server], None]) -> _Served:
