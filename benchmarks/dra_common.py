@@ -245,3 +245,73 @@ def requests_by_kind(handled: Sequence[Handled]) -> dict[str, int]:
 
 def kinds_text(counts: dict[str, int]) -> str:
     return ", ".join(f"{count} {kind}" for kind, count in sorted(counts.items(), key=lambda item: -item[1]))
+
+
+# -- where a publish's time goes, measured in this process --------------------------------------
+def in_process_slice_costs(host: FakeHost, workdir: Path, repeats: int = 5) -> dict[str, float]:
+    """Median seconds, in this process, of the daemon's own steps for one write of the pool
+    (``dra_config()`` on ``host``): ``slice_devices`` of the whole pool (redone on every change:
+    its cache is per ResourcePool), ``slice_bodies``; and for the first slice (up to 128 devices)
+    the client's ``sanitize_for_serialization`` of the body, ``json.dumps`` of it, and
+    ``json.loads`` of the same JSON (the answer to the write, and each watch event of it, is
+    parsed once more). Also ``devices`` (the pool's size) and ``body_bytes``."""
+    import json
+    import statistics
+    from types import MappingProxyType
+
+    from kubernetes.client.api_client import ApiClient
+
+    from daemon import app
+    from daemon.core import DRA_ROAD, Hooks, ResourcePool
+    from daemon.dra._slices import slice_bodies, slice_devices
+    from daemon.settings import Settings
+
+    config_path = workdir / "inproc-config.json"
+    config_path.write_text(json.dumps(dra_config()))
+    settings = Settings(config_path=config_path, sysfs_root=host.sys, dev_root=host.dev, proc_root=host.proc,
+                        devinfo_dir=workdir / "inproc-devinfo")
+    handlers, config = app.load(settings)
+    handler = handlers["pci"]
+    (configured,) = config.pools_of("pci")
+    built = handler.build(handler.scan(), [configured])
+    pool = ResourcePool(configured.resource, "pci", configured, MappingProxyType(dict(built[configured.resource])),
+                        road=DRA_ROAD)
+    describer = Hooks.of(handler).describer
+    client = ApiClient()
+    times: dict[str, list[float]] = {key: [] for key in ("slice_devices", "slice_bodies", "sanitize", "dumps",
+                                                         "loads")}
+    devices: list[dict[str, Any]] = []
+    text = ""
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        devices = slice_devices(pool, DRIVER, describer)
+        t1 = time.perf_counter()
+        bodies = slice_bodies(driver=DRIVER, node_name=NODE, node_uid="uid", pool_name=POOL, generation=2,
+                              devices=devices)
+        t2 = time.perf_counter()
+        sanitized = client.sanitize_for_serialization(bodies[0])
+        t3 = time.perf_counter()
+        text = json.dumps(sanitized)
+        t4 = time.perf_counter()
+        json.loads(text)
+        t5 = time.perf_counter()
+        for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            times[key].append(value)
+    client.close()
+    result = {key: statistics.median(values) for key, values in times.items()}
+    result["devices"] = len(devices)
+    result["body_bytes"] = len(text)
+    return result
+
+
+def kubernetes_import_seconds(env: dict[str, str]) -> float:
+    """Importing what the DRA driver imports of the ``kubernetes`` client, in a fresh process
+    with the daemon's environment (warmed bytecode): part of the time to the first slice."""
+    code = ("import time; t = time.perf_counter(); import daemon.dra._kube, kubernetes.config, "
+            "kubernetes.client.api_client, kubernetes.client.api.core_v1_api, kubernetes.client.api.resource_v1_api, "
+            "kubernetes.watch.watch; print(time.perf_counter() - t)")
+    done = subprocess.run([PYTHON, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False)
+    try:
+        return float(done.stdout.strip())
+    except ValueError:
+        return float("nan")

@@ -82,6 +82,20 @@ def time_hop(kubelet: FakeKubelet, count: int = 200) -> list[float]:
     return times
 
 
+def time_empty_calls(kubelet: FakeKubelet, count: int = 200) -> tuple[list[float], list[float]]:
+    """NodePrepareResources and NodeUnprepareResources with no claims: the same path through the
+    stand-in, gRPC and the daemon's servicer, with nothing to do."""
+    prepare, unprepare = [], []
+    for _ in range(count):
+        started = time.monotonic()
+        kubelet.prepare([])
+        middle = time.monotonic()
+        kubelet.unprepare([])
+        prepare.append(middle - started)
+        unprepare.append(time.monotonic() - middle)
+    return prepare, unprepare
+
+
 def time_direct_get(api: StampedApiServer, kubeconfig: Path, count: int = 200) -> tuple[list[float], list[float]]:
     """A claim GET with ``daemon.dra._kube.Kube`` from this process: client-side and stand-in-side times."""
     from daemon.dra._kube import Kube
@@ -162,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             get_server: list[float] = []
             after_get: list[float] = []
             prepared_out: list[float] = []
+            put_start: list[float] = []
             unprepared_back: list[float] = []
             wrong = 0
             cpu_before = None
@@ -192,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  unexpected answer for {claim_name}: {devices}, error {answer.error!r}")
                 out = wait_generation(api, daemon, generations_before, lambda g, n=name: n not in g.names,
                                       arguments.timeout, f"{address} out of the slices once prepared")
+                time.sleep(arguments.gap)
                 with api._cond:
                     gets = [r for r in api.handled[handled_before:]
                             if r.method == "GET" and r.path.endswith(f"/resourceclaims/{claim_name}")]
-                time.sleep(arguments.gap)
+                    puts = [r for r in api.handled[handled_before:] if r.method == "PUT"]
                 with api._cond:
                     generations_before = len(api.generations)
                 unprepare_started = time.monotonic()
@@ -210,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 prepare.append(returned - started)
                 unprepare.append(unprepare_returned - unprepare_started)
                 prepared_out.append(out.stamp - returned)
+                if puts:
+                    put_start.append(puts[0].start - returned)
                 unprepared_back.append(back.stamp - unprepare_returned)
                 if len(gets) == 1:
                     (get,) = gets
@@ -223,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             with api._cond:
                 requests = requests_by_kind([r for r in api.handled[timed_from:] if not r.watch])
             hop = time_hop(kubelet)
+            empty_prepare, empty_unprepare = time_empty_calls(kubelet)
             direct_client, direct_server = time_direct_get(api, base / "kubeconfig")
             code, stop_seconds = daemon.stop()
             check_exit(code, daemon.log)
@@ -246,8 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     print(latency_row("  a claim GET with daemon's Kube client", direct_client, width=WIDTH))
     print(latency_row("    of which the stand-in handling it", direct_server, width=WIDTH))
     print(latency_row("  the stand-in's thread hop alone", hop, width=WIDTH))
+    print(latency_row("  NodePrepareResources of no claims", empty_prepare, width=WIDTH))
+    print(latency_row("  NodeUnprepareResources of no claims", empty_unprepare, width=WIDTH))
     print(latency_row("  checkpoint write, 2 fsyncs (/tmp)", fsyncs, width=WIDTH))
     print("  the slices after each call (the prepared VF leaves its slice, then comes back):")
+    print(latency_row("  prepare returned -> its slice PUT starts", put_start, width=WIDTH))
+    print(f"    (the PUT started before the answer was back in {sum(1 for t in put_start if t < 0)} of "
+          f"{len(put_start)} rounds: the rewrite the prepare set off ran ahead of its answer)")
     print(latency_row("  prepare returned -> slice w/o the VF", prepared_out, width=WIDTH))
     print(latency_row("  unprepare returned -> slice with it", unprepared_back, width=WIDTH))
     print(f"  API requests over the {rounds} timed rounds: {kinds_text(requests)}")
