@@ -2,14 +2,14 @@
 
 The daemon runs as a DRA driver against the API server stand-in (``tests/apiserver.py``,
 subclassed in ``benchmarks/dra_common.py`` to stamp requests and slice writes) with one DRA pool,
-``intel.com/sriov_vfs``: one PF with 64 vfio-pci VFs. The kubelet stand-in (``tests/kubelet.py``)
+``intel.com/sriov_vfs``: one PF with 64 vfio-pci VFs (``--vfs N``: N, 64 per PF). The kubelet stand-in (``tests/kubelet.py``)
 registers the driver through ``plugins_registry`` and calls it over the real ``dra.sock``, as the
 kubelet does (v1 DRAPlugin, 45 s deadline). CDI specs and the device-info files go to tmpfs
 (``/var/run`` in production); the claim checkpoint to the disk-backed ``/tmp`` (``/var/lib`` in
 production: its write is fsynced, file and directory).
 
 Each of ``--claims`` rounds (after ``--warmup``) puts a fresh claim on the stand-in (new name and
-UID, one result: request ``vf``, the next of the 64 VFs in turn), then
+UID, one result: request ``vf``, the next VF of the pool in turn), then
 
 1. **prepare**: ``kubelet.prepare([claim])``, timed around the call in this thread
    (``time.monotonic()``); the daemon reads the claim from the stand-in (one GET), checks it,
@@ -63,7 +63,7 @@ from benchmarks.dra_common import (
 from daemon.dra import device_name
 from tests.kubelet import DraCallError, FakeKubelet
 
-VFS = 64
+DEFAULT_VFS = 64
 TARGET_PREPARE_P50 = 0.005
 NAMESPACE = "default"
 WIDTH = 42
@@ -143,16 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first (default: %(default)s)")
     parser.add_argument("--gap", type=float, default=0.02, help="seconds after each slice write (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=20.0, help="per wait, seconds (default: %(default)s)")
+    parser.add_argument("--vfs", type=int, default=DEFAULT_VFS,
+                        help="VFs in the pool, 64 per PF (default: %(default)s; 1024: 8 slices rewritten per call)")
     arguments = parser.parse_args(argv)
+    vfs = arguments.vfs
 
-    print(f"dra_prepare: one DRA pool of {VFS} vfio-pci VFs; {arguments.claims} fresh claims of one device, each "
+    print(f"dra_prepare: one DRA pool of {vfs} vfio-pci VFs; {arguments.claims} fresh claims of one device, each "
           f"prepared then unprepared through the kubelet stand-in over dra.sock ({arguments.warmup} warm-up rounds)",
           flush=True)
     print(machine_line(), flush=True)
     print(revision_line(), flush=True)
     with short_tmp() as base, host_tmp() as host_dir:
         env = dra_bytecode_env(base)
-        host, _, _ = build_dra_host(host_dir / "host", VFS)
+        host, _, per_pf = build_dra_host(host_dir / "host", vfs)
         api = StampedApiServer().start()
         api.add_node(NODE)
         seam = Seam(base / "uevents.sock")
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             daemon.start()
             seam.wait_ready(daemon)
-            wait_generation(api, daemon, 0, lambda g: len(g.names) == VFS, 60, f"the pool published with {VFS} VFs")
+            wait_generation(api, daemon, 0, lambda g: len(g.names) == vfs, 60, f"the pool published with {vfs} VFs")
             kubelet.wait_for_dra(DRIVER, timeout=30)
             print(f"driver registered with the kubelet stand-in and the pool published "
                   f"{time.monotonic() - daemon.started_mono:.2f} s after Popen", flush=True)
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     cpu_before = thread_cpu_ns(daemon.pid)
                     with api._cond:
                         timed_from = len(api.handled)
-                address = sriov_vf_address(0, number % VFS)
+                address = sriov_vf_address(*divmod(number % vfs, per_pf))
                 name = device_name(address)
                 claim_name = f"bench-{number}"
                 uid = api.put_claim(NAMESPACE, claim_name, results=[
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 kubelet.unprepare([ref])
                 unprepare_returned = time.monotonic()
                 back = wait_generation(api, daemon, generations_before, lambda g, n=name: n in g.names and len(
-                    g.names) == VFS, arguments.timeout, f"{address} back in the slices once unprepared")
+                    g.names) == vfs, arguments.timeout, f"{address} back in the slices once unprepared")
                 time.sleep(arguments.gap)
                 api.delete_claim(NAMESPACE, claim_name)
                 if not timed:
@@ -270,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     print(latency_row("  checkpoint write, 2 fsyncs (/tmp)", fsyncs, width=WIDTH))
     print("  the slices after each call (the prepared VF leaves its slice, then comes back):")
     print(latency_row("  prepare returned -> its slice PUT starts", put_start, width=WIDTH))
-    print(f"    (the PUT started before the answer was back in {sum(1 for t in put_start if t < 0)} of "
-          f"{len(put_start)} rounds: the rewrite the prepare set off ran ahead of its answer)")
+    print(f"    (rounds whose PUT started before the prepare's answer was back: "
+          f"{sum(1 for t in put_start if t < 0)} of {len(put_start)})")
     print(latency_row("  prepare returned -> slice w/o the VF", prepared_out, width=WIDTH))
     print(latency_row("  unprepare returned -> slice with it", unprepared_back, width=WIDTH))
     print(f"  API requests over the {rounds} timed rounds: {kinds_text(requests)}")
