@@ -26,6 +26,9 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "idle": ("--seconds", "20"),
     "guest_bind": (),
     "guest_aer": (),
+    "dra_slices": (),
+    "dra_prepare": (),
+    "dra_publish_4096": (),
 }
 TIMEOUT = 300.0
 

@@ -1,0 +1,296 @@
+"""NodePrepareResources / NodeUnprepareResources of one device, through the kubelet stand-in.
+
+The daemon runs as a DRA driver against the API server stand-in (``tests/apiserver.py``,
+subclassed in ``benchmarks/dra_common.py`` to stamp requests and slice writes) with one DRA pool,
+``intel.com/sriov_vfs``: one PF with 64 vfio-pci VFs (``--vfs N``: N, 64 per PF). The kubelet stand-in (``tests/kubelet.py``)
+registers the driver through ``plugins_registry`` and calls it over the real ``dra.sock``, as the
+kubelet does (v1 DRAPlugin, 45 s deadline). CDI specs and the device-info files go to tmpfs
+(``/var/run`` in production); the claim checkpoint to the disk-backed ``/tmp`` (``/var/lib`` in
+production: its write is fsynced, file and directory).
+
+Each of ``--claims`` rounds (after ``--warmup``) puts a fresh claim on the stand-in (new name and
+UID, one result: request ``vf``, the next VF of the pool in turn), then
+
+1. **prepare**: ``kubelet.prepare([claim])``, timed around the call in this thread
+   (``time.monotonic()``); the daemon reads the claim from the stand-in (one GET), checks it,
+   allocates the VF, writes the CDI spec and the checkpoint;
+2. waits until the pool's slices no longer show the VF (a prepared device is held: it leaves
+   the slice, one PUT) and a short ``--gap``;
+3. **unprepare**, timed the same way; then waits for the VF back in the slices, ``--gap``, and the
+   claim is deleted from the stand-in.
+
+So every call is measured on a daemon that finished the previous round's slice writes. The time
+around ``kubelet.prepare`` includes the hop into the stand-in's asyncio thread and back
+(measured alone and printed). The claim GET is split out with the stand-in's request stamps: call
+-> GET handler starts, the stand-in's own handling of it, its answer written -> the call returns.
+For comparison a direct GET of a claim with the same client the daemon uses
+(``daemon.dra._kube.Kube``) is timed in this process, and so is the checkpoint's fsynced write
+on the same filesystem. Never asserts timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks._common import (
+    DaemonFailure,
+    check_exit,
+    host_tmp,
+    machine_line,
+    percentile,
+    report_failure,
+    short_tmp,
+)
+from benchmarks._common import vf_address as sriov_vf_address
+from benchmarks._events import Seam, clean_up, cpu_by_thread_name, latency_row, revision_line, thread_cpu_ns
+from benchmarks.dra_common import (
+    DRIVER,
+    NODE,
+    POOL,
+    StampedApiServer,
+    build_dra_host,
+    dra_bytecode_env,
+    dra_config,
+    dra_daemon,
+    kinds_text,
+    requests_by_kind,
+    wait_generation,
+)
+from daemon.dra import device_name
+from tests.kubelet import DraCallError, FakeKubelet
+
+DEFAULT_VFS = 64
+TARGET_PREPARE_P50 = 0.005
+NAMESPACE = "default"
+WIDTH = 42
+
+
+def time_hop(kubelet: FakeKubelet, count: int = 200) -> list[float]:
+    """The stand-in's thread hop alone: ``_call`` of a coroutine that does nothing."""
+    async def nothing() -> None:
+        return None
+
+    times = []
+    for _ in range(count):
+        started = time.monotonic()
+        kubelet._call(nothing())
+        times.append(time.monotonic() - started)
+    return times
+
+
+def time_empty_calls(kubelet: FakeKubelet, count: int = 200) -> tuple[list[float], list[float]]:
+    """NodePrepareResources and NodeUnprepareResources with no claims: the same path through the
+    stand-in, gRPC and the daemon's servicer, with nothing to do."""
+    prepare, unprepare = [], []
+    for _ in range(count):
+        started = time.monotonic()
+        kubelet.prepare([])
+        middle = time.monotonic()
+        kubelet.unprepare([])
+        prepare.append(middle - started)
+        unprepare.append(time.monotonic() - middle)
+    return prepare, unprepare
+
+
+def time_direct_get(api: StampedApiServer, kubeconfig: Path, count: int = 200) -> tuple[list[float], list[float]]:
+    """A claim GET with ``daemon.dra._kube.Kube`` from this process: client-side and stand-in-side times."""
+    from daemon.dra._kube import Kube
+
+    api.put_claim(NAMESPACE, "direct-get", results=[{"request": "vf", "driver": DRIVER, "pool": POOL,
+                                                     "device": device_name(sriov_vf_address(0, 0))}])
+    kube = Kube.connect(kubeconfig)
+    try:
+        for _ in range(20):
+            kube.get_claim(NAMESPACE, "direct-get")
+        client: list[float] = []
+        server: list[float] = []
+        for _ in range(count):
+            with api._cond:
+                before = len(api.handled)
+            started = time.monotonic()
+            kube.get_claim(NAMESPACE, "direct-get")
+            client.append(time.monotonic() - started)
+            with api._cond:
+                handled = api.handled[before:]
+            server += [r.end - r.start for r in handled if r.path.endswith("/resourceclaims/direct-get")]
+    finally:
+        kube.close()
+        api.delete_claim(NAMESPACE, "direct-get")
+    return client, server
+
+
+def time_checkpoint_write(directory: Path, count: int = 50) -> list[float]:
+    """``write_atomically`` (fsync of the file and the directory) of a 2 KB file on ``directory``'s filesystem."""
+    from daemon.files import write_atomically
+
+    times = []
+    with tempfile.TemporaryDirectory(dir=directory) as where:
+        path = Path(where) / "claims.json"
+        for _ in range(count):
+            started = time.monotonic()
+            write_atomically(path, b"x" * 2048)
+            times.append(time.monotonic() - started)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--claims", type=int, default=200, help="timed prepare+unprepare rounds (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed rounds first (default: %(default)s)")
+    parser.add_argument("--gap", type=float, default=0.02, help="seconds after each slice write (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=20.0, help="per wait, seconds (default: %(default)s)")
+    parser.add_argument("--vfs", type=int, default=DEFAULT_VFS,
+                        help="VFs in the pool, 64 per PF (default: %(default)s; 1024: 8 slices rewritten per call)")
+    arguments = parser.parse_args(argv)
+    vfs = arguments.vfs
+
+    print(f"dra_prepare: one DRA pool of {vfs} vfio-pci VFs; {arguments.claims} fresh claims of one device, each "
+          f"prepared then unprepared through the kubelet stand-in over dra.sock ({arguments.warmup} warm-up rounds)",
+          flush=True)
+    print(machine_line(), flush=True)
+    print(revision_line(), flush=True)
+    with short_tmp() as base, host_tmp() as host_dir:
+        env = dra_bytecode_env(base)
+        host, _, per_pf = build_dra_host(host_dir / "host", vfs)
+        api = StampedApiServer().start()
+        api.add_node(NODE)
+        seam = Seam(base / "uevents.sock")
+        kubelet = FakeKubelet(base / "device-plugins", base / "plugins_registry")
+        kubelet.start()
+        daemon = dra_daemon(base, host, dra_config(), api, seam, env)
+        cdi_dir = host_dir / "cdi"  # tmpfs, as /var/run/cdi
+        daemon.arguments[daemon.arguments.index("--cdi-dir") + 1] = str(cdi_dir)
+        daemon.arguments[daemon.arguments.index("--devinfo-dir") + 1] = str(host_dir / "devinfo")
+        try:
+            daemon.start()
+            seam.wait_ready(daemon)
+            wait_generation(api, daemon, 0, lambda g: len(g.names) == vfs, 60, f"the pool published with {vfs} VFs")
+            kubelet.wait_for_dra(DRIVER, timeout=30)
+            print(f"driver registered with the kubelet stand-in and the pool published "
+                  f"{time.monotonic() - daemon.started_mono:.2f} s after Popen", flush=True)
+            time.sleep(0.3)
+            prepare: list[float] = []
+            unprepare: list[float] = []
+            to_get: list[float] = []
+            get_server: list[float] = []
+            after_get: list[float] = []
+            prepared_out: list[float] = []
+            put_start: list[float] = []
+            unprepared_back: list[float] = []
+            wrong = 0
+            cpu_before = None
+            timed_from = 0
+            for number in range(arguments.warmup + arguments.claims):
+                timed = number >= arguments.warmup
+                if number == arguments.warmup:
+                    cpu_before = thread_cpu_ns(daemon.pid)
+                    with api._cond:
+                        timed_from = len(api.handled)
+                address = sriov_vf_address(*divmod(number % vfs, per_pf))
+                name = device_name(address)
+                claim_name = f"bench-{number}"
+                uid = api.put_claim(NAMESPACE, claim_name, results=[
+                    {"request": "vf", "driver": DRIVER, "pool": POOL, "device": name}])
+                ref = (NAMESPACE, uid, claim_name)
+                with api._cond:
+                    handled_before, generations_before = len(api.handled), len(api.generations)
+                started = time.monotonic()
+                try:
+                    answer = kubelet.prepare([ref])[uid]
+                except DraCallError as error:
+                    raise DaemonFailure(f"prepare of {claim_name} ({address}): {error}", daemon.log) from None
+                returned = time.monotonic()
+                devices = [(d.pool_name, d.device_name) for d in answer.devices]
+                if devices != [(POOL, name)]:
+                    wrong += 1
+                    print(f"  unexpected answer for {claim_name}: {devices}, error {answer.error!r}")
+                out = wait_generation(api, daemon, generations_before, lambda g, n=name: n not in g.names,
+                                      arguments.timeout, f"{address} out of the slices once prepared")
+                time.sleep(arguments.gap)
+                with api._cond:
+                    gets = [r for r in api.handled[handled_before:]
+                            if r.method == "GET" and r.path.endswith(f"/resourceclaims/{claim_name}")]
+                    puts = [r for r in api.handled[handled_before:] if r.method == "PUT"]
+                with api._cond:
+                    generations_before = len(api.generations)
+                unprepare_started = time.monotonic()
+                kubelet.unprepare([ref])
+                unprepare_returned = time.monotonic()
+                back = wait_generation(api, daemon, generations_before, lambda g, n=name: n in g.names and len(
+                    g.names) == vfs, arguments.timeout, f"{address} back in the slices once unprepared")
+                time.sleep(arguments.gap)
+                api.delete_claim(NAMESPACE, claim_name)
+                if not timed:
+                    continue
+                prepare.append(returned - started)
+                unprepare.append(unprepare_returned - unprepare_started)
+                prepared_out.append(out.stamp - returned)
+                if puts:
+                    put_start.append(puts[0].start - returned)
+                unprepared_back.append(back.stamp - unprepare_returned)
+                if len(gets) == 1:
+                    (get,) = gets
+                    to_get.append(get.start - started)
+                    get_server.append(get.end - get.start)
+                    after_get.append(returned - get.end)
+                else:
+                    print(f"  {claim_name}: {len(gets)} GETs of the claim")
+            assert cpu_before is not None
+            used = cpu_by_thread_name(cpu_before, thread_cpu_ns(daemon.pid), daemon.pid)
+            with api._cond:
+                requests = requests_by_kind([r for r in api.handled[timed_from:] if not r.watch])
+            hop = time_hop(kubelet)
+            empty_prepare, empty_unprepare = time_empty_calls(kubelet)
+            direct_client, direct_server = time_direct_get(api, base / "kubeconfig")
+            code, stop_seconds = daemon.stop()
+            check_exit(code, daemon.log)
+            errors = list(api.internal_errors)
+        except DaemonFailure as error:
+            report_failure(error)
+            return 1
+        finally:
+            clean_up(daemon.kill, kubelet.close, api.close, seam.close)
+        fsyncs = time_checkpoint_write(base)
+
+    rounds = len(prepare)
+    print(f"\nround trips through the kubelet stand-in ({arguments.warmup} warm-up rounds not counted):")
+    print(latency_row("NodePrepareResources (1 claim)", prepare, width=WIDTH))
+    print(latency_row("NodeUnprepareResources", unprepare, width=WIDTH))
+    print("  prepare, split by the stand-in's stamps of the claim GET:")
+    print(latency_row("  call -> GET handler starts", to_get, width=WIDTH))
+    print(latency_row("  the stand-in handling the GET", get_server, width=WIDTH))
+    print(latency_row("  GET answered -> call returns", after_get, width=WIDTH))
+    print("  for comparison, in this process:")
+    print(latency_row("  a claim GET with daemon's Kube client", direct_client, width=WIDTH))
+    print(latency_row("    of which the stand-in handling it", direct_server, width=WIDTH))
+    print(latency_row("  the stand-in's thread hop alone", hop, width=WIDTH))
+    print(latency_row("  NodePrepareResources of no claims", empty_prepare, width=WIDTH))
+    print(latency_row("  NodeUnprepareResources of no claims", empty_unprepare, width=WIDTH))
+    print(latency_row("  checkpoint write, 2 fsyncs (/tmp)", fsyncs, width=WIDTH))
+    print("  the slices after each call (the prepared VF leaves its slice, then comes back):")
+    print(latency_row("  prepare returned -> its slice PUT starts", put_start, width=WIDTH))
+    print(f"    (rounds whose PUT started before the prepare's answer was back: "
+          f"{sum(1 for t in put_start if t < 0)} of {len(put_start)})")
+    print(latency_row("  prepare returned -> slice w/o the VF", prepared_out, width=WIDTH))
+    print(latency_row("  unprepare returned -> slice with it", unprepared_back, width=WIDTH))
+    print(f"  API requests over the {rounds} timed rounds: {kinds_text(requests)}")
+    print(f"  wrong answers: {wrong}; stand-in internal errors: {len(errors)}")
+    parts = ", ".join(f"{n} {ns / rounds / 1000:.0f}" for n, ns in sorted(used.items(), key=lambda i: -i[1])
+                      if ns / rounds >= 1000)
+    print(f"  daemon CPU per round (prepare, unprepare and the two slice writes): "
+          f"{sum(used.values()) / rounds / 1000:.0f} us ({parts} us by thread)")
+    print(f"  SIGTERM -> exit {stop_seconds * 1000:.0f} ms, exit code {code}")
+    p50 = percentile(prepare, 50)
+    print(f"\ntarget: prepare p50 <= {TARGET_PREPARE_P50 * 1000:.0f} ms: p50 {p50 * 1000:.2f} ms, "
+          f"p90 {percentile(prepare, 90) * 1000:.2f} ms, p99 {percentile(prepare, 99) * 1000:.2f} ms "
+          f"({'within target' if p50 <= TARGET_PREPARE_P50 else 'OVER target'}); unprepare p50 "
+          f"{percentile(unprepare, 50) * 1000:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
