@@ -153,6 +153,8 @@ async def _serve(
                     nursery.start_soon(send_channel.send, event)
 
                 dra = DraDriver(settings, handlers, notifier, send, nursery, inotify.add_socket_dir, leases.holders)
+                if config.dra_pools:
+                    dra.warm_up()
                 for consumer in (endpoints, dra, cdi, status):
                     notifier.subscribe(consumer)
                 nursery.start_soon(_follow_kubelet, kubelet_receive, endpoints, dra)

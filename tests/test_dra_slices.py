@@ -302,3 +302,30 @@ def test_slices_are_what_the_kubernetes_client_models_read(vf_pool: ResourcePool
     for body in bodies(slice_devices(vf_pool, DRIVER, pci.handler)) + bodies([]):
         model = client.deserialize(SimpleNamespace(data=json.dumps(body)), "V1ResourceSlice")
         assert client.sanitize_for_serialization(model) == body
+
+
+class CountingDescriber:
+    """A describer that counts the devices it is asked about."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def dra_attributes(self, pool: ResourcePool, device_id: str) -> dict[str, object]:
+        self.asked.append(device_id)
+        return {"serial": f"s-{device_id}"}
+
+
+def test_a_memo_describes_again_only_the_devices_whose_record_changed() -> None:
+    pool = plain_pool(["kvm-0", "kvm-1", "kvm-2"])
+    describer = CountingDescriber()
+    memo: dict[str, Any] = {}
+    first = slice_devices(pool, DRIVER, describer, memo=memo)  # type: ignore[arg-type]
+    devices = dict(pool.devices)
+    devices["kvm-1"] = DeviceInfo(numa_nodes=(1,))  # a new record for one device
+    del devices["kvm-2"]
+    describer.asked.clear()
+    second = slice_devices(replace(pool, devices=devices), DRIVER, describer, memo=memo)  # type: ignore[arg-type]
+    assert describer.asked == ["kvm-1"]
+    assert second[0] is first[0] and second[1]["attributes"]["numaNode"] == {"int": 1}
+    assert set(memo) == {"kvm-0", "kvm-1"}  # what left the pool leaves the memo
+    assert second == slice_devices(replace(pool, devices=devices), DRIVER, describer)  # type: ignore[arg-type]

@@ -89,9 +89,10 @@ class Endpoints:
         previous, self._tree = self._tree, tree
         diff = tree.diff(previous)
         self._sync(tree, diff)
-        for resource in diff.listings_changed:
+        for resource, resource_diff in diff.resources.items():
+            # only what an endpoint serves: a DRA pool of 4096 devices costs two sorted listings
             current = self._endpoints.get(resource)
-            if current is not None:
+            if current is not None and resource_diff.listing_changed:
                 current[0].offer(tree.pools.get(resource))
 
     def _sync(self, tree: DeviceTree, diff: TreeDiff) -> None:

@@ -18,6 +18,7 @@ the bus as ``ClaimsChanged``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,7 +32,7 @@ from daemon.supervise import Backoff, keep_running
 
 from ._claims import ClaimBook
 from ._health import HealthServicer
-from ._kube import NotFound
+from ._kube import KubeError, NotFound
 from ._prepare import ClaimNotFound, ClaimPreparer
 from ._publisher import ApiLink, SlicePublisher
 from ._servicer import DraPluginServicer
@@ -81,6 +82,15 @@ class DraDriver:
     def socket_removed(self, path: str) -> None:
         if self.started:
             self.sockets.socket_removed(path)
+
+    def warm_up(self) -> None:
+        """Import the Kubernetes client and read the credentials now, in a worker thread, while
+        the first scan runs (a pool uses DRA from the start): half a second less to the first
+        slice. A failure here is the publisher's to report when it starts."""
+        async def connect() -> None:
+            with contextlib.suppress(KubeError):
+                await self.link.get()
+        self._nursery.start_soon(connect, name="DRA: the API server client")
 
     # -- the subscriber --------------------------------------------------------------------------
     def offer(self, tree: DeviceTree) -> None:

@@ -11,13 +11,14 @@ out and logged (logger ``devplugd.dra``) with the reason, the device is still pu
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Mapping, MutableSet, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from daemon.core import HEALTHY, AttributeValue, DeviceDescriber, ResourcePool, dns_subdomain_problem
+from daemon.core import HEALTHY, AttributeValue, DeviceDescriber, DeviceInfo, ResourcePool, dns_subdomain_problem
 
 from ._names import device_name
 
@@ -39,6 +40,7 @@ MANAGED_BY: Mapping[str, str] = MappingProxyType({"app.kubernetes.io/managed-by"
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
+@functools.lru_cache(maxsize=256)  # the same dozen names on every device of every pool
 def qualified_name_problem(name: str) -> str | None:
     """Why ``name`` is not a device attribute name (a QualifiedName): a C identifier of at most
     32 characters, optionally after a ``<DNS subdomain of at most 63>/`` domain; ``None`` if it is."""
@@ -101,6 +103,7 @@ def slice_devices(
     describer: DeviceDescriber | None,
     *,
     seen: MutableSet[str] | None = None,
+    memo: dict[str, tuple[DeviceInfo, dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     """The ``devices[]`` entries ``pool`` publishes, in the order ListAndWatch lists them (by
     device ID): every Healthy device that has not vanished and that no other road holds (a
@@ -117,6 +120,11 @@ def slice_devices(
     device whose name an earlier device of the pool has is left out. Each is logged with its
     reason, once per call or, when the caller passes the same ``seen`` set every time, once in all.
 
+    ``memo`` (the caller's, for one pool and its config) keeps each device's entry with the
+    DeviceInfo it came from: a device whose record is the same object as last time is not
+    described again (a change to one VF of 4096 costs one entry, not 4096). It is left holding
+    the devices of this call only.
+
     A pool whose resource name is over 64 bytes publishes no devices: ``resourceName`` is what
     its DeviceClass selects on, and a device of our driver without it would make every class's
     selector fail on it (a CEL error, not a mismatch).
@@ -128,6 +136,7 @@ def slice_devices(
     own_prefix = f"{driver}/"
     devices: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # device name -> the device ID that has it
+    remembered: dict[str, tuple[DeviceInfo, dict[str, Any]]] = {}
     for device_id, info in sorted(pool.devices.items()):
         if info.health != HEALTHY or device_id in pool.vanished or device_id in pool.leased or (
                 device_id in pool.kubelet_held):
@@ -139,6 +148,11 @@ def slice_devices(
                                        f"is the name of device {names[name]} already")
             continue
         names[name] = device_id
+        cached = memo.get(device_id) if memo is not None else None
+        if cached is not None and cached[0] is info:
+            devices.append(cached[1])
+            remembered[device_id] = cached
+            continue
         attributes: dict[str, dict[str, AttributeValue]] = {}
         core: dict[str, AttributeValue] = {"id": device_id, "resourceName": pool.resource}
         if len(numa_nodes) == 1:
@@ -156,7 +170,12 @@ def slice_devices(
                 problems.drop(device_id, described, f"a device has at most {MAX_ATTRIBUTES} attributes")
             else:
                 _add(attributes, short, described, described_value, problems, device_id)
-        devices.append({"name": name, "attributes": attributes})
+        entry = {"name": name, "attributes": attributes}
+        devices.append(entry)
+        remembered[device_id] = (info, entry)
+    if memo is not None:
+        memo.clear()
+        memo.update(remembered)
     return devices
 
 
