@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -151,6 +152,30 @@ async def publishing(kubeconfig: Path, *, node: str = NODE,
             nursery.cancel_scope.cancel()
     finally:
         link.close()
+
+
+class SlowAnswers(Kube):
+    """The real client, but the answers of the calls named in ``slow`` reach the publisher
+    ``lag`` seconds late: after the watch has brought the events they caused."""
+
+    slow: frozenset[str] = frozenset()
+    lag = 0.3
+
+    def _late(self, call: str) -> None:
+        if call in self.slow:
+            time.sleep(self.lag)
+
+    def delete_slice(self, name: str, uid: str, resource_version: str) -> None:
+        super().delete_slice(name, uid, resource_version)
+        self._late("delete_slice")
+
+
+def slow_answers(*calls: str) -> Callable[[Settings], Kube]:
+    def connect(settings: Settings) -> Kube:
+        kube = SlowAnswers.connect(settings.kubeconfig)
+        kube.slow = frozenset(calls)
+        return kube
+    return connect
 
 
 @pytest.fixture
@@ -393,10 +418,11 @@ async def test_a_pool_moved_back_to_the_device_plugin_api_is_withheld_until_its_
         await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
         await wait_published(api, "things", ids(300))
         assert running.changes == []
-        api.fail_next("DELETE", SLICE_PATH, None, delay=0.5)  # the first delete takes a while
+        last = slices_of(api, "things")[-1]["metadata"]["name"]
+        api.fail_next("DELETE", f"{last}$", None, delay=1.0)  # the last delete takes a while
         running.publisher.offer(tree(pool("things", ids(300), api="devicePlugin", road=WITHHELD_ROAD),
                                      pool("other", ids(1))))
-        await api.wait_until_async(lambda: len(slices_of(api, "things")) == 2, 5, "the first slice deleted")
+        await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
         assert resource in running.publisher.withheld()
         await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
         with trio.fail_after(5):
@@ -405,6 +431,7 @@ async def test_a_pool_moved_back_to_the_device_plugin_api_is_withheld_until_its_
         assert resource not in running.publisher.withheld()
         assert slices_of(api, "other")
     assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer served through DRA)")
+    assert not logged(caplog, "deleted by someone else")
 
 
 async def test_a_pool_removed_from_the_config_has_its_slices_deleted(
@@ -418,6 +445,23 @@ async def test_a_pool_removed_from_the_config_has_its_slices_deleted(
         assert slices_of(api, "other")
         assert running.changes == []
     assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer configured)")
+    assert not logged(caplog, "deleted by someone else")
+
+
+async def test_our_own_deletes_are_not_taken_for_someone_elses_even_when_their_answers_come_late(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with publishing(kubeconfig, connect=slow_answers("delete_slice")) as running:
+        await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
+        await running.settle(tree(pool("things", ids(100)), pool("other", ids(1))))  # two slices obsolete
+        assert await wait_published(api, "things", ids(100)) == 2
+        await running.settle(tree(pool("other", ids(1))))  # and then the whole pool
+        assert slices_of(api, "things") == []
+        before = len(writes(api))
+        await running.settle(tree(pool("other", ids(1))))
+        assert writes(api)[before:] == []
+    assert not logged(caplog, "deleted by someone else")
+    assert not logged(caplog, "publishing it again")
 
 
 async def test_slices_of_other_drivers_and_nodes_are_never_touched(api: ApiServer, kubeconfig: Path) -> None:

@@ -125,7 +125,7 @@ class SlicePublisher:
         self._wakeup = trio.Event()
         self._node_uid: str | None = None
         self._server: dict[str, JsonObject] = {}  # our slices on the server by name, as last seen
-        self._deleted: dict[str, int] = {}  # slice name -> resourceVersion we deleted it at
+        self._deleted: dict[str, int] = {}  # slice name -> resourceVersion we delete it at, until its DELETED event
         self._listed = trio.Event()
         self._devices: dict[str, tuple[ResourcePool, list[JsonObject]]] = {}  # resource -> (pool, devices)
         self._written: dict[str, _Written] = {}  # pool name -> what we wrote
@@ -239,6 +239,13 @@ class SlicePublisher:
             return
         version = _version(obj)
         known = self._server.get(name)
+        if name in self._deleted:
+            if kind == "DELETED":  # our own delete (its answer may still be on its way): all before it is in
+                del self._deleted[name]
+                self._server.pop(name, None)
+                return
+            if version <= self._deleted[name]:
+                return  # an event from before our own delete
         if kind == "DELETED":
             if known is not None and _version(known) <= version:
                 del self._server[name]
@@ -247,8 +254,6 @@ class SlicePublisher:
                              name, _pool_of(known), extra={"EVENT": "dra"})
                 self._wake()
             return
-        if name in self._deleted and version <= self._deleted[name]:
-            return  # an event from before our own delete
         if known is not None and _version(known) >= version >= 0:
             return  # our own write, already in the view
         self._server[name] = obj
@@ -364,11 +369,11 @@ class SlicePublisher:
     async def _delete_slices(self, kube: Kube, slices: Sequence[JsonObject]) -> None:
         for item in slices:
             metadata = item["metadata"]
+            self._deleted[metadata["name"]] = _version(item)  # before the call: its DELETED event may come first
             await trio.to_thread.run_sync(kube.delete_slice, metadata["name"], metadata.get("uid", ""),
                                           metadata.get("resourceVersion", ""), abandon_on_cancel=True)
             self.writes += 1
             self._server.pop(metadata["name"], None)
-            self._deleted[metadata["name"]] = _version(item)
 
     def _update_withheld(self, tree: DeviceTree) -> None:
         """Keep ``withheld()`` true, and tell the loop when it changed for a pool the config
