@@ -302,6 +302,20 @@ async def test_a_conflict_is_read_again_and_retried(
 
 
 
+async def test_a_slice_deleted_by_someone_else_is_published_again_in_its_place(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        await wait_published(api, "things", ids(300))
+        api.delete_slice(slices_of(api, "things")[1]["metadata"]["name"])
+        assert await wait_published(api, "things", ids(300)) == 2
+    # slice k (its name starts with k in hex, so the names sort in slice order) has the k-th 128
+    republished = slices_of(api, "things")
+    assert [s["metadata"]["name"][:5] for s in republished] == ["00000", "00001", "00002"]
+    assert [s["spec"]["devices"][0]["name"] for s in republished] == ["d00000", "d00128", "d00256"]
+
+
 # -- refused pools -----------------------------------------------------------------------------------
 async def test_a_pool_the_server_refuses_is_logged_once_with_the_causes_and_not_retried(
     api: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -5,10 +5,11 @@ task, which writes only the pools whose published devices changed (coalesced as 
 is: a burst of trees is one write of the newest). A pool is ``<node>/<resource made valid>``;
 its devices (healthy, held by nobody: see ``_slices.slice_devices``) go out in slices of at most
 128, and every write raises the pool's generation and puts it on every slice of the pool, so a
-consumer never mixes two versions. Existing slices are updated in place (PUT, matched by name
-order); extra ones are deleted first (with uid and resourceVersion preconditions), missing ones
-created (``generateName``). A 409 re-reads the slice and tries again; a 422 is logged with the
-object and the server's causes and not tried again until the pool's devices change.
+consumer never mixes two versions. Existing slices are updated in place (PUT, matched by the
+index their name starts with, as the Go helper matches them); extra ones are deleted first
+(with uid and resourceVersion preconditions), missing ones created (``generateName``). A 409
+re-reads the slice and tries again; a 422 is logged with the object and the server's causes
+and not tried again until the pool's devices change.
 
 A second task lists and watches our own slices (``spec.driver``, ``spec.nodeName``), which is
 how slices deleted by someone else (the kubelet wipes a node's slices when it starts, and a
@@ -26,6 +27,7 @@ daemon does not wait for any of it. At SIGTERM the slices stay: a restart publis
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +51,15 @@ JsonObject = dict[str, Any]
 
 def _pool_of(slice_object: Mapping[str, Any]) -> str:
     return str(((slice_object.get("spec") or {}).get("pool") or {}).get("name", ""))
+
+
+_INDEX = re.compile(r"([0-9a-f]{5,})-")
+
+
+def _slice_index(name: str) -> int | None:
+    """A slice's place in its pool, from the hex index its name starts with (``generate_name``)."""
+    match = _INDEX.match(name)
+    return int(match.group(1), 16) if match else None
 
 
 def _version(obj: Mapping[str, Any]) -> int:
@@ -318,12 +329,21 @@ class SlicePublisher:
         generation = max([*generations, last.generation if last is not None else 0]) + 1
         bodies = slice_bodies(driver=self._driver, node_name=self._node, node_uid=self._node_uid,
                               pool_name=pool, generation=generation, devices=devices)
+        # Each body goes into the slice whose name has its index (so the names keep sorting in
+        # slice order, which is the allocator's order); any other slice of the pool is obsolete.
+        placed: dict[int, JsonObject] = {}
+        obsolete: list[JsonObject] = []
+        for item in existing:
+            index = _slice_index(item["metadata"]["name"])
+            if index is None or index >= len(bodies) or index in placed:
+                obsolete.append(item)
+            else:
+                placed[index] = item
         try:
-            await self._delete_slices(kube, existing[len(bodies):])  # obsolete ones first
+            await self._delete_slices(kube, obsolete)  # obsolete ones first
             names: list[str] = []
             for index, body in enumerate(bodies):
-                current = existing[index] if index < len(existing) else None
-                written = await self._put_or_create(kube, body, current)
+                written = await self._put_or_create(kube, body, placed.get(index))
                 names.append(written["metadata"]["name"])
         except Invalid as error:
             log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
