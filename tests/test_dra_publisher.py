@@ -302,6 +302,20 @@ async def test_a_conflict_is_read_again_and_retried(
 
 
 
+async def test_a_slice_changed_by_someone_else_is_put_right(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(3))))
+        await wait_published(api, "things", ids(3))
+        (published,) = slices_of(api, "things")
+        tampered = json.loads(json.dumps(published))
+        del tampered["spec"]["devices"][1]  # the same generation, one device less
+        kube = Kube.connect(kubeconfig)
+        try:
+            await trio.to_thread.run_sync(kube.replace_slice, published["metadata"]["name"], tampered)
+        finally:
+            kube.close()
+        assert await wait_published(api, "things", ids(3)) == 2
+
 async def test_a_slice_deleted_by_someone_else_is_published_again_in_its_place(
     api: ApiServer, kubeconfig: Path
 ) -> None:
@@ -513,3 +527,18 @@ async def test_a_restart_with_changed_devices_continues_the_generation(api: ApiS
         await running.settle(tree(pool("things", ids(302))))
         assert await wait_published(api, "things", ids(302)) == 3
     assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
+
+
+async def test_a_restart_adopts_the_slices_it_finds(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        await wait_published(api, "things", ids(300))
+    names = [s["metadata"]["name"] for s in slices_of(api, "things")]
+    before = len(writes(api))
+    async with publishing(kubeconfig) as running:  # the same devices: nothing to write
+        await running.settle(tree(pool("things", ids(300))))
+        assert writes(api)[before:] == []
+        await running.settle(tree(pool("things", ids(299))))
+        assert await wait_published(api, "things", ids(299)) == 2
+    assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
+    assert [r.method for r in writes(api)[before:]] == ["PUT"] * 3

@@ -13,15 +13,17 @@ and not tried again until the pool's devices change.
 
 A second task lists and watches our own slices (``spec.driver``, ``spec.nodeName``), which is
 how slices deleted by someone else (the kubelet wipes a node's slices when it starts, and a
-driver's when it loses it) are noticed and published again; our own writes go into the same
-view at once, so a watch event that lags behind them never makes us write twice. Slices of
+driver's when it loses it) are noticed and published again, and slices changed by someone else
+are put right; our own writes go into the same view at once, so a watch event that lags behind
+them never makes us write twice. Slices that already publish what we would write (after a
+restart: the slices of the last run) are adopted as they are, without a write. Slices of
 pools that are not DRA pools (any more) are deleted; while a pool moved back to the
 device-plugin API still has slices, it is ``withheld`` (the event loop serves it neither way)
 and ``on_change`` tells the loop when that ends.
 
 With no API server, no credentials or no Node object, one error line is logged (again only when
 the reason changes) and everything is retried with a backoff capped at 10 s; the rest of the
-daemon does not wait for any of it. At SIGTERM the slices stay: a restart publishes the same.
+daemon does not wait for any of it. At SIGTERM the slices stay: a restart adopts them.
 """
 
 from __future__ import annotations
@@ -112,14 +114,23 @@ class _Complaints:
 
 
 class _Written:
-    """What we last wrote for a pool and the slices it went into."""
+    """What a pool's slices on the server hold as far as we know: the devices we wrote (or found
+    there as we would have written them), their generation, and the resourceVersion of each
+    slice as we left it: any other version means someone else wrote since."""
 
-    __slots__ = ("devices", "generation", "names")
+    __slots__ = ("devices", "generation", "versions")
 
-    def __init__(self, devices: list[JsonObject], generation: int, names: tuple[str, ...]) -> None:
+    def __init__(self, devices: list[JsonObject], generation: int, versions: dict[str, str]) -> None:
         self.devices = devices
         self.generation = generation
-        self.names = names
+        self.versions = versions
+
+
+def _essentials(obj: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """What a slice says to its consumers and the garbage collector: its owner and its spec
+    without empty fields (the server leaves out an empty ``devices``)."""
+    spec = {key: value for key, value in (obj.get("spec") or {}).items() if value not in (None, [], {})}
+    return (obj.get("metadata") or {}).get("ownerReferences"), spec
 
 
 class SlicePublisher:
@@ -271,7 +282,7 @@ class SlicePublisher:
         self._wake()
 
     def _written_name(self, name: str) -> bool:
-        return any(name in written.names for written in self._written.values())
+        return any(name in written.versions for written in self._written.values())
 
     def _slices_of(self, pool: str) -> list[JsonObject]:
         return sorted((s for s in self._server.values() if _pool_of(s) == pool), key=lambda s: s["metadata"]["name"])
@@ -314,21 +325,34 @@ class SlicePublisher:
         self._update_withheld(tree)
 
     def _up_to_date(self, pool: str, devices: list[JsonObject]) -> bool:
-        """Whether the server has exactly what we last wrote for ``pool`` and that is ``devices``."""
-        written = self._written.get(pool)
-        if written is None or written.devices != devices:
-            return False
+        """Whether the server's slices of ``pool`` publish ``devices``: they are as we left
+        them, or (after a restart, or someone else's write) they are what we would write at
+        their generation, which is then adopted as ours."""
         on_server = self._slices_of(pool)
-        return tuple(s["metadata"]["name"] for s in on_server) == written.names and all(
-            s["spec"]["pool"].get("generation") == written.generation for s in on_server)
+        versions = {s["metadata"]["name"]: str(s["metadata"].get("resourceVersion")) for s in on_server}
+        written = self._written.get(pool)
+        if written is not None and written.versions == versions and written.devices == devices:
+            return True
+        generations = {s["spec"]["pool"].get("generation") for s in on_server}
+        if len(generations) != 1 or not isinstance(generation := generations.pop(), int):
+            return False
+        bodies = self._bodies(pool, generation, devices)
+        if [_slice_index(name) for name in versions] != list(range(len(bodies))) or any(
+                _essentials(item) != _essentials(body) for item, body in zip(on_server, bodies)):
+            return False
+        self._written[pool] = _Written(devices, generation, versions)
+        return True
+
+    def _bodies(self, pool: str, generation: int, devices: list[JsonObject]) -> list[JsonObject]:
+        return slice_bodies(driver=self._driver, node_name=self._node, node_uid=self._node_uid,
+                            pool_name=pool, generation=generation, devices=devices)
 
     async def _write_pool(self, kube: Kube, pool: str, devices: list[JsonObject]) -> None:
         existing = self._slices_of(pool)
         generations = [int(s["spec"]["pool"].get("generation", 0)) for s in existing]
         last = self._written.get(pool)
         generation = max([*generations, last.generation if last is not None else 0]) + 1
-        bodies = slice_bodies(driver=self._driver, node_name=self._node, node_uid=self._node_uid,
-                              pool_name=pool, generation=generation, devices=devices)
+        bodies = self._bodies(pool, generation, devices)
         # Each body goes into the slice whose name has its index (so the names keep sorting in
         # slice order, which is the allocator's order); any other slice of the pool is obsolete.
         placed: dict[int, JsonObject] = {}
@@ -341,17 +365,17 @@ class SlicePublisher:
                 placed[index] = item
         try:
             await self._delete_slices(kube, obsolete)  # obsolete ones first
-            names: list[str] = []
+            versions: dict[str, str] = {}
             for index, body in enumerate(bodies):
                 written = await self._put_or_create(kube, body, placed.get(index))
-                names.append(written["metadata"]["name"])
+                versions[written["metadata"]["name"]] = str(written["metadata"]["resourceVersion"])
         except Invalid as error:
             log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
                       "not tried again until its devices change", pool, generation, len(devices), len(bodies),
                       error, "; ".join(error.causes) or "none given", extra={"EVENT": "dra", "DRA_POOL": pool})
             self._rejected[pool] = devices
             return
-        self._written[pool] = _Written(devices, generation, tuple(sorted(names)))
+        self._written[pool] = _Written(devices, generation, versions)
         log.info("DRA: pool %s generation %d: %d devices in %d slices", pool, generation, len(devices), len(bodies),
                  extra={"EVENT": "dra", "DRA_POOL": pool})
 
