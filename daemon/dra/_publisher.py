@@ -39,7 +39,7 @@ from daemon.core import DRA_API, DRA_ROAD, DeviceTree, Hooks, ResourcePool
 from daemon.settings import Settings
 from daemon.supervise import Backoff
 
-from ._kube import Conflict, Expired, Invalid, Kube, KubeError, NotFound
+from ._kube import Conflict, Expired, Invalid, Kube, KubeError, NotFound, StreamEnded
 from ._names import pool_name
 from ._slices import slice_bodies, slice_devices
 
@@ -94,18 +94,18 @@ class ApiLink:
 
 
 class _Complaints:
-    """One error line per distinct reason, and a line when things work again."""
+    """One error line per distinct reason (``KubeError.reason``: every call to a server that is
+    down is one), whichever of the tasks meets it, and a line when things work again."""
 
     def __init__(self) -> None:
         self._last: str | None = None
 
-    def failed(self, error: Exception, retry_in: float) -> None:
-        reason = str(error)
-        if reason != self._last:
-            log.error("DRA: %s; retrying (every %.0f s at most)", reason, RETRY_MAX, extra={"EVENT": "dra"})
-            self._last = reason
+    def failed(self, error: KubeError, retry_in: float) -> None:
+        if error.reason != self._last:
+            log.error("DRA: %s; retrying (every %g s at most)", error, RETRY_MAX, extra={"EVENT": "dra"})
+            self._last = error.reason
         else:
-            log.debug("DRA: %s; retrying in %.1f s", reason, retry_in)
+            log.debug("DRA: %s; retrying in %.1f s", error, retry_in)
 
     def recovered(self, what: str) -> None:
         if self._last is not None:
@@ -153,6 +153,7 @@ class SlicePublisher:
         self._written: dict[str, _Written] = {}  # pool name -> what we wrote
         self._rejected: dict[str, list[JsonObject]] = {}  # pool name -> devices the server refused (422)
         self._withheld: frozenset[str] = frozenset()  # resources with slices on the server
+        self._complaints = _Complaints()  # shared by the tasks: an outage is one error line
         self.writes = 0  # slices created, updated or deleted so far (for tests and benchmarks)
         self.synced = trio.Event()  # set after each sync round that left nothing to do
         self.connected = False
@@ -172,7 +173,7 @@ class SlicePublisher:
 
     # -- the tasks --------------------------------------------------------------------------------
     async def run(self) -> None:
-        complaints = _Complaints()
+        complaints = self._complaints
         backoff = Backoff(first=0.2, maximum=RETRY_MAX)
         while True:
             try:
@@ -196,7 +197,7 @@ class SlicePublisher:
 
     async def _sync_forever(self, kube: Kube) -> None:
         await self._listed.wait()
-        complaints = _Complaints()
+        complaints = self._complaints
         backoff = Backoff(first=0.2, maximum=RETRY_MAX)
         while True:
             await self._wakeup.wait()
@@ -217,7 +218,7 @@ class SlicePublisher:
 
     async def _follow_server(self, kube: Kube) -> None:
         """List our slices, then watch them; list again after 410 Gone or a broken stream."""
-        complaints = _Complaints()
+        complaints = self._complaints
         backoff = Backoff(first=0.2, maximum=RETRY_MAX)
         while True:
             try:
@@ -231,7 +232,11 @@ class SlicePublisher:
                                                             trio.lowlevel.current_trio_token(),
                                                             abandon_on_cancel=True)
             except Expired:
-                continue
+                log.debug("DRA: the watch of our ResourceSlices expired; listing them again")
+            except StreamEnded as error:  # no failure yet (a proxy resets it too): the list says
+                delay = backoff.next_delay()
+                log.debug("DRA: %s; listing our ResourceSlices again in %.1f s", error, delay)
+                await trio.sleep(delay)
             except KubeError as error:
                 delay = backoff.next_delay()
                 complaints.failed(error, delay)
