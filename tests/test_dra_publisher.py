@@ -158,7 +158,7 @@ class SlowAnswers(Kube):
     """The real client, but the answers of the calls named in ``slow`` reach the publisher
     ``lag`` seconds late: after the watch has brought the events they caused."""
 
-    slow: frozenset[str] = frozenset()
+    slow: set[str]
     lag = 0.3
 
     def _late(self, call: str) -> None:
@@ -169,13 +169,29 @@ class SlowAnswers(Kube):
         super().delete_slice(name, uid, resource_version)
         self._late("delete_slice")
 
+    def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
+        answer = super().list_slices(field_selector)
+        self._late("list_slices")
+        return answer
 
-def slow_answers(*calls: str) -> Callable[[Settings], Kube]:
-    def connect(settings: Settings) -> Kube:
+
+class Clients:
+    """``connect`` for ApiLink: makes the publisher's client, a SlowAnswers slow in ``slow``,
+    and keeps it (``kube``) for the test to slow down later."""
+
+    def __init__(self, *slow: str) -> None:
+        self._slow = set(slow)
+        self.kube: SlowAnswers | None = None
+
+    def __call__(self, settings: Settings) -> Kube:
         kube = SlowAnswers.connect(settings.kubeconfig)
-        kube.slow = frozenset(calls)
+        assert isinstance(kube, SlowAnswers)
+        kube.slow = self._slow
+        self.kube = kube
         return kube
-    return connect
+
+    def slow(self, *calls: str) -> None:
+        self._slow.update(calls)
 
 
 @pytest.fixture
@@ -377,23 +393,50 @@ async def test_slices_wiped_by_the_kubelet_are_published_again(api: ApiServer, k
         await wait_published(api, "things", ids(300), timeout=3)
 
 
+def lists(api: ApiServer) -> int:
+    return sum(1 for r in api.requests if r.path == SLICES_PATH and r.method == "GET" and "watch" not in r.query)
+
+
+def watches(api: ApiServer) -> int:
+    return sum(1 for r in api.requests if r.path == SLICES_PATH and "watch" in r.query)
+
+
+def expire_the_watch(api: ApiServer) -> None:
+    """End the watch with its resourceVersion compacted away: the next one is 410 Gone."""
+    api.add_node(f"node-{api.resource_version}")  # a change our watch does not see: it falls behind
+    api.compact()
+    api.close_watches()
+
+
 async def test_an_expired_watch_is_listed_again_and_a_wipe_after_it_is_noticed(
     api: ApiServer, kubeconfig: Path
 ) -> None:
-    def lists() -> int:
-        return sum(1 for r in api.requests if r.path == SLICES_PATH and r.method == "GET"
-                   and "watch" not in r.query)
-
     async with publishing(kubeconfig) as running:
         await running.settle(tree(pool("things", ids(3))))
         await wait_published(api, "things", ids(3))
-        assert lists() == 1
-        api.add_node("node2")  # a change our watch does not see, so its resourceVersion falls behind
-        api.compact()
-        api.close_watches()
-        await api.wait_until_async(lambda: lists() == 2 and api.watch_count == 1, 5, "a new list and watch")
+        assert lists(api) == 1
+        expire_the_watch(api)
+        await api.wait_until_async(lambda: lists(api) == 2 and api.watch_count == 1, 5, "a new list and watch")
         api.wipe(NODE)
         await wait_published(api, "things", ids(3), timeout=3)
+
+
+async def test_a_list_that_answers_late_never_undoes_our_writes(api: ApiServer, kubeconfig: Path) -> None:
+    clients = Clients()
+    async with publishing(kubeconfig, connect=clients) as running:
+        await running.settle(tree(pool("things", ids(100))))
+        await wait_published(api, "things", ids(100))
+        clients.slow("list_slices")
+        listed, watched = lists(api), watches(api)
+        expire_the_watch(api)
+        await api.wait_until_async(lambda: lists(api) == listed + 1, 5, "the list again")  # its answer is late
+        before = len(writes(api))
+        running.publisher.offer(tree(pool("things", ids(200))))  # a second slice
+        assert await wait_published(api, "things", ids(200)) == 2
+        await api.wait_until_async(lambda: watches(api) > watched + 1, 5, "the list's answer in, a new watch")
+        await running.settle(tree(pool("things", ids(200))))
+        assert [r.method for r in writes(api)[before:]] == ["PUT", "POST"]
+        assert len(slices_of(api, "things")) == 2
 
 
 async def test_an_outage_is_one_error_line_retried_with_a_capped_backoff_and_ends_with_the_latest_state(
@@ -405,15 +448,15 @@ async def test_an_outage_is_one_error_line_retried_with_a_capped_backoff_and_end
         await wait_published(api, "things", ids(3))
         api.down()
         running.publisher.offer(tree(pool("things", ids(4))))
-        await wait_for_log(caplog, "UPDATE resourceslice .* unreachable", level=logging.ERROR)
+        await wait_for_log(caplog, "unreachable", level=logging.ERROR)
         await trio.sleep(2)  # 0.2 + 0.4 + 0.5 + 0.5 + ...: several tries
         running.publisher.offer(tree(pool("things", ids(5))))  # the latest, while still down
         await trio.sleep(0.5)
         api.up()
         assert await wait_published(api, "things", ids(5), timeout=3) == 2  # never the intermediate one
+        await wait_for_log(caplog, "(watching our ResourceSlices|ResourceSlices written) again", level=logging.INFO)
     (line,) = errors(caplog)  # one line for the outage, whichever task met it first
     assert "unreachable" in line
-    assert logged(caplog, "watching our ResourceSlices again") or logged(caplog, "ResourceSlices written again")
     delays = [float(d) for d in re.findall(r"UPDATE resourceslice .*; retrying in ([0-9.]+) s", "\n".join(dra_log(
         caplog, logging.DEBUG)))]
     assert len(delays) >= 3 and max(delays) == 0.5, delays
@@ -480,7 +523,7 @@ async def test_a_pool_removed_from_the_config_has_its_slices_deleted(
 async def test_our_own_deletes_are_not_taken_for_someone_elses_even_when_their_answers_come_late(
     api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with publishing(kubeconfig, connect=slow_answers("delete_slice")) as running:
+    async with publishing(kubeconfig, connect=Clients("delete_slice")) as running:
         await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
         await running.settle(tree(pool("things", ids(100)), pool("other", ids(1))))  # two slices obsolete
         assert await wait_published(api, "things", ids(100)) == 2

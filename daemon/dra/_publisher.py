@@ -149,6 +149,9 @@ class SlicePublisher:
         self._server: dict[str, JsonObject] = {}  # our slices on the server by name, as last seen
         self._deleted: dict[str, int] = {}  # slice name -> resourceVersion we delete it at, until its DELETED event
         self._listed = trio.Event()
+        # Held by a sync round and by a list with its taking over the view: a list taken before
+        # our writes and answered after them would undo them in the view (and make us write twice).
+        self._view_lock = trio.Lock()
         self._devices: dict[str, tuple[ResourcePool, list[JsonObject]]] = {}  # resource -> (pool, devices)
         self._written: dict[str, _Written] = {}  # pool name -> what we wrote
         self._rejected: dict[str, list[JsonObject]] = {}  # pool name -> devices the server refused (422)
@@ -203,7 +206,8 @@ class SlicePublisher:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
             try:
-                await self._sync(kube)
+                async with self._view_lock:
+                    await self._sync(kube)
             except KubeError as error:
                 delay = backoff.next_delay()
                 complaints.failed(error, delay)
@@ -222,9 +226,10 @@ class SlicePublisher:
         backoff = Backoff(first=0.2, maximum=RETRY_MAX)
         while True:
             try:
-                items, version = await trio.to_thread.run_sync(kube.list_slices, self._selector,
-                                                               abandon_on_cancel=True)
-                self._replace_view(items)
+                async with self._view_lock:
+                    items, version = await trio.to_thread.run_sync(kube.list_slices, self._selector,
+                                                                   abandon_on_cancel=True)
+                    self._replace_view(items)
                 complaints.recovered("watching our ResourceSlices again")
                 backoff.reset()
                 while True:
