@@ -159,6 +159,7 @@ class SlowAnswers(Kube):
     ``lag`` seconds late: after the watch has brought the events they caused."""
 
     slow: set[str]
+    touched: set[str]
     lag = 0.3
 
     def _late(self, call: str) -> None:
@@ -175,18 +176,35 @@ class SlowAnswers(Kube):
         return answer
 
 
-class Clients:
-    """``connect`` for ApiLink: makes the publisher's client, a SlowAnswers slow in ``slow``,
-    and keeps it (``kube``) for the test to slow down later."""
+class ChangedBeforeDelete(SlowAnswers):
+    """Someone else changes each slice (a label) just before our first delete of it reaches
+    the server, so that delete's preconditions no longer hold."""
 
-    def __init__(self, *slow: str) -> None:
+    touched: set[str]
+
+    def delete_slice(self, name: str, uid: str, resource_version: str) -> None:
+        if name not in self.touched:
+            self.touched.add(name)
+            current = self.read_slice(name)
+            current["metadata"].setdefault("labels", {})["touched-by"] = "someone-else"
+            self.replace_slice(name, current)
+        super().delete_slice(name, uid, resource_version)
+
+
+class Clients:
+    """``connect`` for ApiLink: makes the publisher's client, a ``kind`` (SlowAnswers) slow in
+    ``slow``, and keeps it (``kube``) for the test to slow down later."""
+
+    def __init__(self, *slow: str, kind: type[SlowAnswers] = SlowAnswers) -> None:
         self._slow = set(slow)
+        self._kind = kind
         self.kube: SlowAnswers | None = None
 
     def __call__(self, settings: Settings) -> Kube:
-        kube = SlowAnswers.connect(settings.kubeconfig)
+        kube = self._kind.connect(settings.kubeconfig)
         assert isinstance(kube, SlowAnswers)
         kube.slow = self._slow
+        kube.touched = set()
         self.kube = kube
         return kube
 
@@ -344,6 +362,22 @@ async def test_a_slice_deleted_by_someone_else_is_published_again_in_its_place(
     republished = slices_of(api, "things")
     assert [s["metadata"]["name"][:5] for s in republished] == ["00000", "00001", "00002"]
     assert [s["spec"]["devices"][0]["name"] for s in republished] == ["d00000", "d00128", "d00256"]
+
+
+async def test_a_slice_changed_just_before_we_delete_it_is_read_again_and_deleted(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with publishing(kubeconfig, connect=Clients(kind=ChangedBeforeDelete)) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        obsolete = [s["metadata"]["name"] for s in slices_of(api, "things")][1:]
+        await running.settle(tree(pool("things", ids(100))))
+        assert await wait_published(api, "things", ids(100)) == 2
+    assert len(slices_of(api, "things")) == 1
+    assert [(r.method, r.status) for r in api.requests if r.method == "DELETE"] == [
+        ("DELETE", 409), ("DELETE", 200), ("DELETE", 409), ("DELETE", 200)]
+    for name in obsolete:
+        assert logged(caplog, f"ResourceSlice {name} changed on the server; reading it again")
+    assert errors(caplog) == []
 
 
 # -- refused pools -----------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ its devices (healthy, held by nobody: see ``_slices.slice_devices``) go out in s
 consumer never mixes two versions. Existing slices are updated in place (PUT, matched by the
 index their name starts with, as the Go helper matches them); extra ones are deleted first
 (with uid and resourceVersion preconditions), missing ones created (``generateName``). A 409
-re-reads the slice and tries again; a 422 is logged with the object and the server's causes
-and not tried again until the pool's devices change.
+re-reads the slice and tries again (a delete too, with the new preconditions); a 422 is logged
+with the object and the server's causes and not tried again until the pool's devices change.
 
 A second task lists and watches our own slices (``spec.driver``, ``spec.nodeName``), which is
 how slices deleted by someone else (the kubelet wipes a node's slices when it starts, and a
@@ -422,12 +422,26 @@ class SlicePublisher:
 
     async def _delete_slices(self, kube: Kube, slices: Sequence[JsonObject]) -> None:
         for item in slices:
-            metadata = item["metadata"]
-            self._deleted[metadata["name"]] = _version(item)  # before the call: its DELETED event may come first
-            await trio.to_thread.run_sync(kube.delete_slice, metadata["name"], metadata.get("uid", ""),
-                                          metadata.get("resourceVersion", ""), abandon_on_cancel=True)
+            name = item["metadata"]["name"]
+            current = item
+            for _ in range(CONFLICT_RETRIES):
+                metadata = current["metadata"]
+                self._deleted[name] = _version(current)  # before the call: its DELETED event may come first
+                try:
+                    await trio.to_thread.run_sync(kube.delete_slice, name, metadata.get("uid", ""),
+                                                  metadata.get("resourceVersion", ""), abandon_on_cancel=True)
+                    break
+                except Conflict:  # changed since we saw it: obsolete all the same, at its new version
+                    log.info("DRA: ResourceSlice %s changed on the server; reading it again", name,
+                             extra={"EVENT": "dra"})
+                    try:
+                        current = await trio.to_thread.run_sync(kube.read_slice, name, abandon_on_cancel=True)
+                    except NotFound:
+                        break
+            else:
+                raise KubeError(f"ResourceSlice {name}: still in conflict after {CONFLICT_RETRIES} tries")
             self.writes += 1
-            self._server.pop(metadata["name"], None)
+            self._server.pop(name, None)
 
     def _update_withheld(self, tree: DeviceTree) -> None:
         """Keep ``withheld()`` true, and tell the loop when it changed for a pool the config
