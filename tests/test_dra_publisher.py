@@ -22,7 +22,17 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.core import DRA_ROAD, HEALTHY, UNHEALTHY, WITHHELD_ROAD, DeviceInfo, DeviceTree, ResourcePool, parse_config
+from daemon.core import (
+    DEVICE_PLUGIN_ROAD,
+    DRA_ROAD,
+    HEALTHY,
+    UNHEALTHY,
+    WITHHELD_ROAD,
+    DeviceInfo,
+    DeviceTree,
+    ResourcePool,
+    parse_config,
+)
 from daemon.dra import _publisher
 from daemon.dra._kube import Kube
 from daemon.dra._publisher import ApiLink, SlicePublisher
@@ -538,6 +548,29 @@ async def test_a_pool_moved_back_to_the_device_plugin_api_is_withheld_until_its_
         assert slices_of(api, "other")
     assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer served through DRA)")
     assert not logged(caplog, "deleted by someone else")
+
+
+async def test_after_a_restart_a_device_plugin_pool_with_slices_left_is_withheld_until_they_are_deleted(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    resource = f"{PREFIX}/things"
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
+    last = slices_of(api, "things")[-1]["metadata"]["name"]
+    api.fail_next("DELETE", f"{last}$", None, delay=1.0)
+    # the daemon comes back with the pool moved to the device-plugin API while it was down: the
+    # loop, told of no slices yet, serves it that way until the publisher says otherwise
+    async with publishing(kubeconfig) as running:
+        running.publisher.offer(tree(pool("things", ids(300), api="devicePlugin", road=DEVICE_PLUGIN_ROAD),
+                                     pool("other", ids(1))))
+        await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
+        assert resource in running.publisher.withheld()
+        assert running.changes == ["slices to withdraw"]
+        await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
+        with trio.fail_after(5):
+            while running.changes != ["slices to withdraw", "slices withdrawn"]:
+                await trio.sleep(0.02)
+        assert resource not in running.publisher.withheld()
 
 
 async def test_a_pool_removed_from_the_config_has_its_slices_deleted(

@@ -263,6 +263,7 @@ class SlicePublisher:
         self._server = {item["metadata"]["name"]: item for item in items}
         self._deleted.clear()
         self._listed.set()
+        self._update_withheld(self._tree)  # at once: slices left from the last run of a pool moved back
         self._wake()
 
     def _apply_event(self, kind: str, obj: JsonObject) -> None:
@@ -319,6 +320,12 @@ class SlicePublisher:
 
     async def _sync(self, kube: Kube) -> None:
         tree = self._tree
+        try:
+            await self._sync_tree(kube, tree)
+        finally:  # what is left on the server, even when a write failed
+            self._update_withheld(tree)
+
+    async def _sync_tree(self, kube: Kube, tree: DeviceTree) -> None:
         desired = self._desired(tree)
         for pool, (_resource, devices) in desired.items():
             if self._up_to_date(pool, devices) or self._rejected.get(pool) == devices:
@@ -332,7 +339,6 @@ class SlicePublisher:
                      extra={"EVENT": "dra", "DRA_POOL": pool})
             await self._delete_slices(kube, self._slices_of(pool))
             self._written.pop(pool, None)
-        self._update_withheld(tree)
 
     def _up_to_date(self, pool: str, devices: list[JsonObject]) -> bool:
         """Whether the server's slices of ``pool`` publish ``devices``: they are as we left
