@@ -428,6 +428,18 @@ async def test_a_refused_pool_is_tried_again_when_its_devices_change(
         await wait_published(api, "things", ids(3))
 
 
+async def test_a_refused_pool_removed_and_configured_again_is_tried_again(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.fail_next("POST", SLICES_PATH + "$", 422, message="ResourceSlice.resource.k8s.io is invalid: injected")
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(2)), pool("other", ids(1))))
+        assert slices_of(api, "things") == [] and errors(caplog)
+        await running.settle(tree(pool("other", ids(1))))  # a reload without it
+        await running.settle(tree(pool("things", ids(2)), pool("other", ids(1))))  # and one with it, as it was
+        await wait_published(api, "things", ids(2))
+
+
 # -- the server's side: wipes, expired watches, outages, no node --------------------------------------
 async def test_slices_wiped_by_the_kubelet_are_published_again(api: ApiServer, kubeconfig: Path) -> None:
     async with publishing(kubeconfig) as running:

@@ -327,6 +327,8 @@ class SlicePublisher:
 
     async def _sync_tree(self, kube: Kube, tree: DeviceTree) -> None:
         desired = self._desired(tree)
+        for gone in self._rejected.keys() - desired.keys():  # configured again later, it is tried again
+            del self._rejected[gone]
         for pool, (_resource, devices) in desired.items():
             if self._up_to_date(pool, devices) or self._rejected.get(pool) == devices:
                 continue
