@@ -464,6 +464,23 @@ def expire_the_watch(api: ApiServer) -> None:
     api.close_watches()
 
 
+async def test_slices_deleted_with_a_node_that_registered_again_come_back_owned_by_the_new_node(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    def owner() -> str | None:
+        published = slices_of(api, "things")
+        return published[0]["metadata"]["ownerReferences"][0]["uid"] if published else None
+
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(2))))
+        await wait_published(api, "things", ids(2))
+        api.delete_node(NODE)
+        uid = api.add_node(NODE)  # the node registered again: a new uid
+        api.wipe(NODE)  # as the garbage collector deletes what the old node owned
+        await api.wait_until_async(lambda: owner() == uid, 5, lambda: f"slices owned by {owner()}, not {uid}")
+        await wait_published(api, "things", ids(2))
+
+
 async def test_an_expired_watch_is_listed_again_and_a_wipe_after_it_is_noticed(
     api: ApiServer, kubeconfig: Path
 ) -> None:

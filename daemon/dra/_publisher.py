@@ -146,6 +146,7 @@ class SlicePublisher:
         self._tree = DeviceTree.empty()
         self._wakeup = trio.Event()
         self._node_uid: str | None = None
+        self._recheck_node = False  # slices of ours deleted by someone else: the Node may be new
         self._server: dict[str, JsonObject] = {}  # our slices on the server by name, as last seen
         self._deleted: dict[str, int] = {}  # slice name -> resourceVersion we delete it at, until its DELETED event
         self._listed = trio.Event()
@@ -285,6 +286,7 @@ class SlicePublisher:
                 if self._written_name(name):
                     log.info("DRA: ResourceSlice %s (pool %s) was deleted by someone else; publishing it again",
                              name, _pool_of(known), extra={"EVENT": "dra"})
+                self._recheck_node = True
                 self._wake()
             return
         if known is not None and _version(known) >= version >= 0:
@@ -326,6 +328,8 @@ class SlicePublisher:
             self._update_withheld(tree)
 
     async def _sync_tree(self, kube: Kube, tree: DeviceTree) -> None:
+        if self._recheck_node:
+            await self._read_node_uid(kube)
         desired = self._desired(tree)
         for gone in self._rejected.keys() - desired.keys():  # configured again later, it is tried again
             del self._rejected[gone]
@@ -341,6 +345,17 @@ class SlicePublisher:
                      extra={"EVENT": "dra", "DRA_POOL": pool})
             await self._delete_slices(kube, self._slices_of(pool))
             self._written.pop(pool, None)
+
+    async def _read_node_uid(self, kube: Kube) -> None:
+        """Read the Node's uid again: a node deleted and registered again has a new one, and the
+        garbage collector deletes the slices owned by the old (which, written again as they
+        were, it would delete again and again)."""
+        uid = await trio.to_thread.run_sync(kube.node_uid, self._node, abandon_on_cancel=True)
+        self._recheck_node = False
+        if uid != self._node_uid:
+            log.info("DRA: node %s has a new uid %s (was %s); its ResourceSlices are owned by it from now on",
+                     self._node, uid, self._node_uid, extra={"EVENT": "dra"})
+            self._node_uid = uid
 
     def _up_to_date(self, pool: str, devices: list[JsonObject]) -> bool:
         """Whether the server's slices of ``pool`` publish ``devices``: they are as we left
