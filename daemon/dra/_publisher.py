@@ -453,6 +453,7 @@ class SlicePublisher:
                 try:
                     await trio.to_thread.run_sync(kube.delete_slice, name, metadata.get("uid", ""),
                                                   metadata.get("resourceVersion", ""), abandon_on_cancel=True)
+                    self.writes += 1
                     break
                 except Conflict:  # changed since we saw it: obsolete all the same, at its new version
                     log.info("DRA: ResourceSlice %s changed on the server; reading it again", name,
@@ -463,7 +464,6 @@ class SlicePublisher:
                         break
             else:
                 raise KubeError(f"ResourceSlice {name}: still in conflict after {CONFLICT_RETRIES} tries")
-            self.writes += 1
             self._server.pop(name, None)
 
     def _update_withheld(self, tree: DeviceTree) -> None:
