@@ -29,12 +29,16 @@ WATCH_READ_TIMEOUT = WATCH_SECONDS + 30.0
 
 class KubeError(Exception):
     """A call failed. ``status`` is the HTTP status (``None``: no answer: unreachable, timed out,
-    no credentials); ``causes`` are a 422's ``details.causes``."""
+    no credentials); ``causes`` are a 422's ``details.causes``; ``reason`` is what two failures
+    have in common when they are one problem (every call to a server that is down), to complain
+    about once: the message unless said otherwise."""
 
-    def __init__(self, message: str, status: int | None = None, causes: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, status: int | None = None, causes: tuple[str, ...] = (),
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.causes = causes
+        self.reason = reason or message
 
 
 class NotFound(KubeError):
@@ -53,13 +57,12 @@ class Expired(KubeError):
     """A watch's resourceVersion is too old (410 Gone): list again."""
 
 
+class StreamEnded(KubeError):
+    """A watch that was under way broke off (the server went away, a proxy reset it): list again."""
+
+
+# urllib3 names its connection objects by address: out of the message, so it reads the same each time
 _OBJECT_ADDRESS = re.compile(r"<[^<>]* object at 0x[0-9a-f]+>:? ?")
-
-
-def _unreachable(what: str, server: str, error: Exception) -> KubeError:
-    """No answer: the same words for the same cause every time (urllib3 names its connection
-    objects by address), so that a retried failure is logged once."""
-    return KubeError(f"{what}: {server} unreachable: {type(error).__name__}: {_OBJECT_ADDRESS.sub('', str(error))}")
 
 
 _KINDS: Mapping[int, type[KubeError]] = {404: NotFound, 409: Conflict, 410: Expired, 422: Invalid}
@@ -131,8 +134,13 @@ class Kube:
         except ApiException as error:
             raise _error(what, error.status, error.body) from error
         except Exception as error:  # urllib3: refused, reset, timed out, TLS
-            raise _unreachable(what, self.server, error) from error
+            raise self._unreachable(what, error) from error
         return json.loads(data) if data else {}
+
+    def _unreachable(self, what: str, error: Exception) -> KubeError:
+        detail = _OBJECT_ADDRESS.sub("", str(error))
+        return KubeError(f"{what}: {self.server} unreachable: {type(error).__name__}: {detail}",
+                         reason=f"{self.server} unreachable")
 
     # -- the calls -------------------------------------------------------------------------------
     def node_uid(self, name: str) -> str:
@@ -152,7 +160,7 @@ class Kube:
 
     def watch_slices(self, field_selector: str, resource_version: str) -> Iterator[tuple[str, dict[str, Any]]]:
         """``(type, object)`` for each change after ``resource_version`` until the server ends
-        the watch (at most WATCH_SECONDS). Raises Expired (list again) or KubeError."""
+        the watch (at most WATCH_SECONDS). Raises Expired or StreamEnded (list again) or KubeError."""
         from kubernetes.client.exceptions import ApiException
         from kubernetes.watch.watch import iter_resp_lines
 
@@ -165,7 +173,7 @@ class Kube:
         except ApiException as error:
             raise _error(what, error.status, error.body) from error
         except Exception as error:
-            raise _unreachable(what, self.server, error) from error
+            raise self._unreachable(what, error) from error
         try:
             for line in iter_resp_lines(response):
                 try:
@@ -180,7 +188,7 @@ class Kube:
         except KubeError:
             raise
         except Exception as error:  # the stream broke (server gone, reset)
-            raise KubeError(f"{what}: the stream ended: {type(error).__name__}: {error}") from error
+            raise StreamEnded(f"{what}: the stream ended: {type(error).__name__}: {error}") from error
         finally:
             response.release_conn()
 

@@ -1,0 +1,684 @@
+"""The ResourceSlice publisher, in-process, against the API server stand-in over real HTTP.
+
+The real ``SlicePublisher`` runs in the test's trio run and is offered DeviceTrees built from
+``daemon.core`` types; it reaches the stand-in through the official client and a real
+kubeconfig. Every test asserts what a cluster user would see on the API server: the slices of
+each pool, their generation and count, the requests that were made, the lines in the log.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from daemon.core import (
+    DEVICE_PLUGIN_ROAD,
+    DRA_ROAD,
+    HEALTHY,
+    UNHEALTHY,
+    WITHHELD_ROAD,
+    DeviceInfo,
+    DeviceTree,
+    ResourcePool,
+    parse_config,
+)
+from daemon.dra import _publisher
+from daemon.dra._kube import Kube
+from daemon.dra._publisher import ApiLink, SlicePublisher
+from daemon.settings import Settings
+from tests.apiserver import SLICES_PATH, ApiServer, Request
+
+DRIVER = "devplugd.io"
+NODE = "node1"
+NODE_UID = "3c0f8a41-6f0e-4d0b-9d6b-0a7f2c1e5b11"
+TOKEN = "node1-token"
+PREFIX = "example.com"
+SLICE_PATH = SLICES_PATH + "/"  # a path regex for one slice: PUT, DELETE, GET of a name
+
+
+# -- trees ---------------------------------------------------------------------------------------
+def ids(count: int, start: int = 0) -> list[str]:
+    """Device IDs that are their own device names and sort as they count: d00000, d00001, ..."""
+    return [f"d{index:05d}" for index in range(start, start + count)]
+
+
+def pool(name: str, device_ids: Sequence[str], *, api: str = "dra", road: str = DRA_ROAD,
+         unhealthy: Sequence[str] = ()) -> ResourcePool:
+    """``example.com/<name>``, configured with ``allocationApi: <api>`` and served on ``road``; its
+    devices plain (no handler describes them: only the core attributes are published)."""
+    document = {"resourceList": [{"resourceName": name, "deviceType": "thing", "allocationApi": api,
+                                  "selectors": {}}]}
+    (configured,) = parse_config(json.dumps(document), "test", PREFIX, {"thing": ("test", lambda entry: None)}).pools
+    devices = {i: DeviceInfo(health=UNHEALTHY if i in unhealthy else HEALTHY) for i in device_ids}
+    return ResourcePool(f"{PREFIX}/{name}", "test", configured, devices, road=road)
+
+
+_versions = itertools.count(1)
+
+
+def tree(*pools: ResourcePool) -> DeviceTree:
+    return DeviceTree.build(next(_versions), pools)
+
+
+def pool_name(name: str, node: str = NODE) -> str:
+    return f"{node}/{PREFIX}/{name}"
+
+
+# -- what the API server holds ---------------------------------------------------------------------
+def slices_of(api: ApiServer, name: str, node: str = NODE) -> list[dict[str, Any]]:
+    """The slices of pool ``example.com/<name>`` on the server, by name."""
+    return [s for s in api.slices(driver=DRIVER, node=node) if s["spec"]["pool"]["name"] == pool_name(name, node)]
+
+
+def state(api: ApiServer, name: str, node: str = NODE) -> tuple[int, list[str]] | None:
+    """(generation, device names in slice order) of a pool whose slices are complete and of one
+    generation, as a consumer would use it; None while it is not."""
+    slices = slices_of(api, name, node)
+    if not slices:
+        return None
+    generations = {s["spec"]["pool"]["generation"] for s in slices}
+    counts = {s["spec"]["pool"]["resourceSliceCount"] for s in slices}
+    if len(generations) != 1 or counts != {len(slices)}:
+        return None
+    return generations.pop(), [d["name"] for s in slices for d in s["spec"]["devices"]]
+
+
+async def wait_published(api: ApiServer, name: str, device_ids: Sequence[str], *, node: str = NODE,
+                         timeout: float = 5.0) -> int:
+    """Wait until pool ``name`` shows exactly ``device_ids``; its generation."""
+    def ready() -> tuple[int, list[str]] | None:
+        current = state(api, name, node)
+        return current if current is not None and current[1] == list(device_ids) else None
+
+    generation, _ = await api.wait_until_async(ready, timeout, lambda: f"pool {name}: {state(api, name, node)}")
+    return generation
+
+
+def writes(api: ApiServer) -> list[Request]:
+    return [r for r in api.requests if r.method in ("POST", "PUT", "PATCH", "DELETE")]
+
+
+def dra_log(caplog: pytest.LogCaptureFixture, level: int = logging.INFO) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "devplugd.dra" and r.levelno >= level]
+
+
+def logged(caplog: pytest.LogCaptureFixture, text: str, level: int = logging.INFO) -> list[str]:
+    """The lines of the DRA log (at ``level`` or above) that contain ``text``."""
+    return [line for line in dra_log(caplog, level) if text in line]
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return dra_log(caplog, logging.ERROR)
+
+
+async def wait_for_log(caplog: pytest.LogCaptureFixture, pattern: str, timeout: float = 5.0,
+                       level: int = logging.DEBUG) -> str:
+    with trio.move_on_after(timeout):
+        while True:
+            for message in dra_log(caplog, level):
+                if re.search(pattern, message):
+                    return message
+            await trio.sleep(0.02)
+    raise AssertionError(f"no log line like {pattern!r} within {timeout}s: {dra_log(caplog, level)}")
+
+
+# -- the publisher -------------------------------------------------------------------------------
+@dataclass
+class Running:
+    publisher: SlicePublisher
+    changes: list[str] = field(default_factory=list)
+
+    async def settle(self, offered: DeviceTree, timeout: float = 5.0) -> None:
+        """Offer ``offered`` and wait for the sync round after it that left nothing to do."""
+        synced = self.publisher.synced
+        self.publisher.offer(offered)
+        with trio.fail_after(timeout):
+            await synced.wait()
+
+
+@asynccontextmanager
+async def publishing(kubeconfig: Path, *, node: str = NODE,
+                     connect: Callable[[Settings], Kube] | None = None) -> AsyncIterator[Running]:
+    """A SlicePublisher for ``node`` running until the block ends (then cancelled, as at SIGTERM)."""
+    settings = Settings(kubeconfig=kubeconfig, node_name=node, dra_driver=DRIVER)
+    link = ApiLink(settings, connect)
+    changes: list[str] = []
+    publisher = SlicePublisher(settings, {}, link, on_change=changes.append)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher.run)
+            yield Running(publisher, changes)
+            nursery.cancel_scope.cancel()
+    finally:
+        link.close()
+
+
+class SlowAnswers(Kube):
+    """The real client, but the answers of the calls named in ``slow`` reach the publisher
+    ``lag`` seconds late: after the watch has brought the events they caused."""
+
+    slow: set[str]
+    touched: set[str]
+    lag = 0.3
+
+    def _late(self, call: str) -> None:
+        if call in self.slow:
+            time.sleep(self.lag)
+
+    def delete_slice(self, name: str, uid: str, resource_version: str) -> None:
+        super().delete_slice(name, uid, resource_version)
+        self._late("delete_slice")
+
+    def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
+        answer = super().list_slices(field_selector)
+        self._late("list_slices")
+        return answer
+
+
+class ChangedBeforeDelete(SlowAnswers):
+    """Someone else changes each slice (a label) just before our first delete of it reaches
+    the server, so that delete's preconditions no longer hold."""
+
+    touched: set[str]
+
+    def delete_slice(self, name: str, uid: str, resource_version: str) -> None:
+        if name not in self.touched:
+            self.touched.add(name)
+            current = self.read_slice(name)
+            current["metadata"].setdefault("labels", {})["touched-by"] = "someone-else"
+            self.replace_slice(name, current)
+        super().delete_slice(name, uid, resource_version)
+
+
+class Clients:
+    """``connect`` for ApiLink: makes the publisher's client, a ``kind`` (SlowAnswers) slow in
+    ``slow``, and keeps it (``kube``) for the test to slow down later."""
+
+    def __init__(self, *slow: str, kind: type[SlowAnswers] = SlowAnswers) -> None:
+        self._slow = set(slow)
+        self._kind = kind
+        self.kube: SlowAnswers | None = None
+
+    def __call__(self, settings: Settings) -> Kube:
+        kube = self._kind.connect(settings.kubeconfig)
+        assert isinstance(kube, SlowAnswers)
+        kube.slow = self._slow
+        kube.touched = set()
+        self.kube = kube
+        return kube
+
+    def slow(self, *calls: str) -> None:
+        self._slow.update(calls)
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServer]:
+    with ApiServer(token=TOKEN) as server:
+        server.add_node(NODE, uid=NODE_UID)
+        yield server
+    assert server.internal_errors == []
+
+
+@pytest.fixture
+def kubeconfig(api: ApiServer, tmp_path: Path) -> Path:
+    return api.kubeconfig(tmp_path / "kubeconfig")
+
+
+@pytest.fixture(autouse=True)
+def dra_debug(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, "devplugd.dra")
+
+
+# -- publishing ------------------------------------------------------------------------------------
+async def test_a_pool_is_published_at_generation_1_owned_by_the_node(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(3))))
+        assert await wait_published(api, "things", ids(3)) == 1
+    (published,) = slices_of(api, "things")
+    assert published["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE_UID, "controller": True}]
+    assert published["spec"]["driver"] == DRIVER and published["spec"]["nodeName"] == NODE
+    assert published["spec"]["pool"] == {"name": pool_name("things"), "generation": 1, "resourceSliceCount": 1}
+    assert published["spec"]["devices"][0] == {"name": "d00000", "attributes": {
+        "id": {"string": "d00000"}, "resourceName": {"string": f"{PREFIX}/things"}}}
+
+
+async def test_an_empty_pool_publishes_one_empty_slice(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", [])))
+        assert await wait_published(api, "things", []) == 1
+    (published,) = slices_of(api, "things")
+    assert published["spec"]["pool"]["resourceSliceCount"] == 1 and published["spec"].get("devices", []) == []
+
+
+async def test_4096_devices_are_32_slices_of_128_that_shrink_and_grow_in_place(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    every = ids(4096)
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", every)))
+        assert await wait_published(api, "things", every) == 1
+        first = slices_of(api, "things")
+        assert len(first) == 32 and all(len(s["spec"]["devices"]) == 128 for s in first)
+        assert {s["spec"]["pool"]["resourceSliceCount"] for s in first} == {32}
+
+        before = len(writes(api))
+        gone = set(every[7::20][:200])  # 200 devices from all over the pool
+        fewer = [i for i in every if i not in gone]
+        assert len(fewer) == 3896
+        await running.settle(tree(pool("things", fewer)))
+        assert await wait_published(api, "things", fewer) == 2
+        shrunk = slices_of(api, "things")
+        assert len(shrunk) == 31
+        assert {s["metadata"]["name"] for s in shrunk} < {s["metadata"]["name"] for s in first}  # updated in place
+        made = writes(api)[before:]
+        assert [r.method for r in made] == ["DELETE"] + ["PUT"] * 31  # the obsolete slice goes first
+        assert made[0].path == f"{SLICES_PATH}/{first[-1]['metadata']['name']}"
+
+        more = ids(4196)
+        await running.settle(tree(pool("things", more)))
+        assert await wait_published(api, "things", more) == 3
+        grown = slices_of(api, "things")
+        assert len(grown) == 33 and {s["spec"]["pool"]["resourceSliceCount"] for s in grown} == {33}
+        assert {s["metadata"]["name"] for s in shrunk} < {s["metadata"]["name"] for s in grown}
+
+
+async def test_a_change_raises_the_generation_of_every_slice_and_an_unchanged_tree_writes_nothing(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        assert await wait_published(api, "things", ids(300)) == 1
+        names = [s["metadata"]["name"] for s in slices_of(api, "things")]
+        # one device in the last slice turns unhealthy: all three slices go to generation 2
+        await running.settle(tree(pool("things", ids(300), unhealthy=["d00299"])))
+        assert await wait_published(api, "things", ids(299)) == 2
+        assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
+        before = len(api.requests)
+        await running.settle(tree(pool("things", ids(300), unhealthy=["d00299"])))  # a new tree, the same devices
+        await running.settle(tree(pool("things", ids(300), unhealthy=["d00299"])))
+        assert api.requests[before:] == []
+
+
+async def test_two_pools_are_independent(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("apples", ids(2)), pool("pears", ids(200))))
+        await wait_published(api, "apples", ids(2))
+        await wait_published(api, "pears", ids(200))
+        pears = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, "pears")}
+        before = len(writes(api))
+        await running.settle(tree(pool("apples", ids(3)), pool("pears", ids(200))))
+        assert await wait_published(api, "apples", ids(3)) == 2
+        assert {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, "pears")} == pears
+        (write,) = writes(api)[before:]
+        assert write.path == f"{SLICES_PATH}/{slices_of(api, 'apples')[0]['metadata']['name']}"
+
+
+# -- conflicts and changes behind our back ---------------------------------------------------------
+async def test_a_conflict_is_read_again_and_retried(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(2))))
+        await wait_published(api, "things", ids(2))
+        (name,) = [s["metadata"]["name"] for s in slices_of(api, "things")]
+        api.fail_next("PUT", SLICE_PATH, 409)
+        await running.settle(tree(pool("things", ids(3))))
+        assert await wait_published(api, "things", ids(3)) == 2
+    assert logged(caplog, f"ResourceSlice {name} changed on the server; reading it again")
+    assert [(r.method, r.status) for r in api.requests if r.path.endswith(name)] == [
+        ("PUT", 409), ("GET", 200), ("PUT", 200)]
+    assert errors(caplog) == []
+
+
+
+
+
+
+async def test_a_slice_changed_by_someone_else_is_put_right(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(3))))
+        await wait_published(api, "things", ids(3))
+        (published,) = slices_of(api, "things")
+        tampered = json.loads(json.dumps(published))
+        del tampered["spec"]["devices"][1]  # the same generation, one device less
+        kube = Kube.connect(kubeconfig)
+        try:
+            await trio.to_thread.run_sync(kube.replace_slice, published["metadata"]["name"], tampered)
+        finally:
+            kube.close()
+        assert await wait_published(api, "things", ids(3)) == 2
+
+async def test_a_slice_deleted_by_someone_else_is_published_again_in_its_place(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        await wait_published(api, "things", ids(300))
+        api.delete_slice(slices_of(api, "things")[1]["metadata"]["name"])
+        assert await wait_published(api, "things", ids(300)) == 2
+    # slice k (its name starts with k in hex, so the names sort in slice order) has the k-th 128
+    republished = slices_of(api, "things")
+    assert [s["metadata"]["name"][:5] for s in republished] == ["00000", "00001", "00002"]
+    assert [s["spec"]["devices"][0]["name"] for s in republished] == ["d00000", "d00128", "d00256"]
+
+
+async def test_a_slice_changed_just_before_we_delete_it_is_read_again_and_deleted(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with publishing(kubeconfig, connect=Clients(kind=ChangedBeforeDelete)) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        obsolete = [s["metadata"]["name"] for s in slices_of(api, "things")][1:]
+        await running.settle(tree(pool("things", ids(100))))
+        assert await wait_published(api, "things", ids(100)) == 2
+    assert len(slices_of(api, "things")) == 1
+    assert [(r.method, r.status) for r in api.requests if r.method == "DELETE"] == [
+        ("DELETE", 409), ("DELETE", 200), ("DELETE", 409), ("DELETE", 200)]
+    for name in obsolete:
+        assert logged(caplog, f"ResourceSlice {name} changed on the server; reading it again")
+    assert errors(caplog) == []
+
+
+# -- refused pools -----------------------------------------------------------------------------------
+async def test_a_pool_the_server_refuses_is_logged_once_with_the_causes_and_not_retried(
+    api: ApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # a node name the API server takes (a DNS subdomain of 242 characters) that makes every
+    # pool name longer than the 253 bytes a ResourceSlice pool name may have
+    long_node = ".".join(["n" * 63, "o" * 63, "p" * 63, "q" * 50])
+    api.add_node(long_node)
+    async with publishing(api.kubeconfig(tmp_path / "kubeconfig"), node=long_node) as running:
+        running.publisher.offer(tree(pool("things", ids(2))))
+        line = await wait_for_log(caplog, "refused pool", level=logging.ERROR)
+        assert "spec.pool.name: Too long: may not be more than 253 bytes" in line
+        assert "not tried again until its devices change" in line
+        count = len(api.requests)
+        await trio.sleep(1)
+        assert len(api.requests) == count
+        assert errors(caplog) == [line]
+        running.publisher.offer(tree(pool("things", ids(3))))  # a change of its devices: tried again
+        await api.wait_until_async(lambda: len(writes(api)) == 2, 5, "a second POST")
+        await wait_for_log(caplog, "generation 1, 3 devices", level=logging.ERROR)
+
+
+async def test_a_refused_pool_is_tried_again_when_its_devices_change(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.fail_next("POST", SLICES_PATH + "$", 422, message="ResourceSlice.resource.k8s.io is invalid: injected")
+    async with publishing(kubeconfig) as running:
+        running.publisher.offer(tree(pool("things", ids(2)), pool("other", ids(1))))
+        await wait_published(api, "other", ids(1))
+        (line,) = errors(caplog)
+        assert f"refused pool {pool_name('things')}" in line and "injected" in line
+        assert slices_of(api, "things") == []
+        await running.settle(tree(pool("things", ids(2)), pool("other", ids(2))))  # another pool changes
+        assert slices_of(api, "things") == []
+        await running.settle(tree(pool("things", ids(3)), pool("other", ids(2))))
+        await wait_published(api, "things", ids(3))
+
+
+async def test_a_refused_pool_removed_and_configured_again_is_tried_again(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    api.fail_next("POST", SLICES_PATH + "$", 422, message="ResourceSlice.resource.k8s.io is invalid: injected")
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(2)), pool("other", ids(1))))
+        assert slices_of(api, "things") == [] and errors(caplog)
+        await running.settle(tree(pool("other", ids(1))))  # a reload without it
+        await running.settle(tree(pool("things", ids(2)), pool("other", ids(1))))  # and one with it, as it was
+        await wait_published(api, "things", ids(2))
+
+
+# -- the server's side: wipes, expired watches, outages, no node --------------------------------------
+async def test_slices_wiped_by_the_kubelet_are_published_again(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        await wait_published(api, "things", ids(300))
+        assert api.wipe(NODE) == 3
+        await wait_published(api, "things", ids(300), timeout=3)
+
+
+def lists(api: ApiServer) -> int:
+    return sum(1 for r in api.requests if r.path == SLICES_PATH and r.method == "GET" and "watch" not in r.query)
+
+
+def watches(api: ApiServer) -> int:
+    return sum(1 for r in api.requests if r.path == SLICES_PATH and "watch" in r.query)
+
+
+def expire_the_watch(api: ApiServer) -> None:
+    """End the watch with its resourceVersion compacted away: the next one is 410 Gone."""
+    api.add_node(f"node-{api.resource_version}")  # a change our watch does not see: it falls behind
+    api.compact()
+    api.close_watches()
+
+
+async def test_slices_deleted_with_a_node_that_registered_again_come_back_owned_by_the_new_node(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    def owner() -> str | None:
+        published = slices_of(api, "things")
+        return published[0]["metadata"]["ownerReferences"][0]["uid"] if published else None
+
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(2))))
+        await wait_published(api, "things", ids(2))
+        api.delete_node(NODE)
+        uid = api.add_node(NODE)  # the node registered again: a new uid
+        api.wipe(NODE)  # as the garbage collector deletes what the old node owned
+        await api.wait_until_async(lambda: owner() == uid, 5, lambda: f"slices owned by {owner()}, not {uid}")
+        await wait_published(api, "things", ids(2))
+
+
+async def test_an_expired_watch_is_listed_again_and_a_wipe_after_it_is_noticed(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(3))))
+        await wait_published(api, "things", ids(3))
+        assert lists(api) == 1
+        expire_the_watch(api)
+        await api.wait_until_async(lambda: lists(api) == 2 and api.watch_count == 1, 5, "a new list and watch")
+        api.wipe(NODE)
+        await wait_published(api, "things", ids(3), timeout=3)
+
+
+async def test_a_list_that_answers_late_never_undoes_our_writes(api: ApiServer, kubeconfig: Path) -> None:
+    clients = Clients()
+    async with publishing(kubeconfig, connect=clients) as running:
+        await running.settle(tree(pool("things", ids(100))))
+        await wait_published(api, "things", ids(100))
+        clients.slow("list_slices")
+        listed, watched = lists(api), watches(api)
+        expire_the_watch(api)
+        await api.wait_until_async(lambda: lists(api) == listed + 1, 5, "the list again")  # its answer is late
+        before = len(writes(api))
+        running.publisher.offer(tree(pool("things", ids(200))))  # a second slice
+        assert await wait_published(api, "things", ids(200)) == 2
+        await api.wait_until_async(lambda: watches(api) > watched + 1, 5, "the list's answer in, a new watch")
+        await running.settle(tree(pool("things", ids(200))))
+        assert [r.method for r in writes(api)[before:]] == ["PUT", "POST"]
+        assert len(slices_of(api, "things")) == 2
+
+
+async def test_an_outage_is_one_error_line_retried_with_a_capped_backoff_and_ends_with_the_latest_state(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_publisher, "RETRY_MAX", 0.5)
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(3))))
+        await wait_published(api, "things", ids(3))
+        api.down()
+        running.publisher.offer(tree(pool("things", ids(4))))
+        await wait_for_log(caplog, "unreachable", level=logging.ERROR)
+        await trio.sleep(2)  # 0.2 + 0.4 + 0.5 + 0.5 + ...: several tries
+        running.publisher.offer(tree(pool("things", ids(5))))  # the latest, while still down
+        await trio.sleep(0.5)
+        api.up()
+        assert await wait_published(api, "things", ids(5), timeout=3) == 2  # never the intermediate one
+        await wait_for_log(caplog, "(watching our ResourceSlices|ResourceSlices written) again", level=logging.INFO)
+    (line,) = errors(caplog)  # one line for the outage, whichever task met it first
+    assert "unreachable" in line
+    delays = [float(d) for d in re.findall(r"UPDATE resourceslice .*; retrying in ([0-9.]+) s", "\n".join(dra_log(
+        caplog, logging.DEBUG)))]
+    assert len(delays) >= 3 and max(delays) == 0.5, delays
+
+
+async def test_a_node_missing_from_the_api_server_is_one_error_line_and_publishing_starts_when_it_comes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_publisher, "RETRY_MAX", 0.5)
+    with ApiServer(token=TOKEN) as api:
+        async with publishing(api.kubeconfig(tmp_path / "kubeconfig")) as running:
+            running.publisher.offer(tree(pool("things", ids(2))))
+            line = await wait_for_log(caplog, "not on the API server", level=logging.ERROR)
+            assert f"node {NODE} is not on the API server" in line
+            await api.wait_until_async(
+                lambda: sum(1 for r in api.requests if r.path == f"/api/v1/nodes/{NODE}") >= 3, 5, "GET node again")
+            assert errors(caplog) == [line]
+            uid = api.add_node(NODE)
+            await wait_published(api, "things", ids(2))
+            (published,) = slices_of(api, "things")
+            assert published["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert api.internal_errors == []
+
+
+# -- pools that leave DRA ------------------------------------------------------------------------------
+async def test_a_pool_moved_back_to_the_device_plugin_api_is_withheld_until_its_slices_are_deleted(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    resource = f"{PREFIX}/things"
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
+        await wait_published(api, "things", ids(300))
+        assert running.changes == []
+        last = slices_of(api, "things")[-1]["metadata"]["name"]
+        api.fail_next("DELETE", f"{last}$", None, delay=1.0)  # the last delete takes a while
+        running.publisher.offer(tree(pool("things", ids(300), api="devicePlugin", road=WITHHELD_ROAD),
+                                     pool("other", ids(1))))
+        await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
+        assert resource in running.publisher.withheld()
+        await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
+        with trio.fail_after(5):
+            while running.changes != ["slices withdrawn"]:
+                await trio.sleep(0.02)
+        assert resource not in running.publisher.withheld()
+        assert slices_of(api, "other")
+    assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer served through DRA)")
+    assert not logged(caplog, "deleted by someone else")
+
+
+async def test_after_a_restart_a_device_plugin_pool_with_slices_left_is_withheld_until_they_are_deleted(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    resource = f"{PREFIX}/things"
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
+    last = slices_of(api, "things")[-1]["metadata"]["name"]
+    api.fail_next("DELETE", f"{last}$", None, delay=1.0)
+    # the daemon comes back with the pool moved to the device-plugin API while it was down: the
+    # loop, told of no slices yet, serves it that way until the publisher says otherwise
+    async with publishing(kubeconfig) as running:
+        running.publisher.offer(tree(pool("things", ids(300), api="devicePlugin", road=DEVICE_PLUGIN_ROAD),
+                                     pool("other", ids(1))))
+        await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
+        assert resource in running.publisher.withheld()
+        assert running.changes == ["slices to withdraw"]
+        await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
+        with trio.fail_after(5):
+            while running.changes != ["slices to withdraw", "slices withdrawn"]:
+                await trio.sleep(0.02)
+        assert resource not in running.publisher.withheld()
+
+
+async def test_a_pool_removed_from_the_config_has_its_slices_deleted(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
+        await wait_published(api, "things", ids(300))
+        await running.settle(tree(pool("other", ids(1))))
+        assert slices_of(api, "things") == []
+        assert slices_of(api, "other")
+        assert running.changes == []
+    assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer configured)")
+    assert not logged(caplog, "deleted by someone else")
+
+
+async def test_our_own_deletes_are_not_taken_for_someone_elses_even_when_their_answers_come_late(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with publishing(kubeconfig, connect=Clients("delete_slice")) as running:
+        await running.settle(tree(pool("things", ids(300)), pool("other", ids(1))))
+        await running.settle(tree(pool("things", ids(100)), pool("other", ids(1))))  # two slices obsolete
+        assert await wait_published(api, "things", ids(100)) == 2
+        await running.settle(tree(pool("other", ids(1))))  # and then the whole pool
+        assert slices_of(api, "things") == []
+        before = len(writes(api))
+        await running.settle(tree(pool("other", ids(1))))
+        assert writes(api)[before:] == []
+    assert not logged(caplog, "deleted by someone else")
+    assert not logged(caplog, "publishing it again")
+
+
+async def test_slices_of_other_drivers_and_nodes_are_never_touched(api: ApiServer, kubeconfig: Path) -> None:
+    def foreign(driver: str, node: str, pool_path: str) -> dict[str, Any]:
+        return api.create_slice({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"generateName": f"00000-{driver}-{node}-"},
+            "spec": {"driver": driver, "nodeName": node, "pool": {"name": pool_path, "generation": 7,
+                                                                  "resourceSliceCount": 1},
+                     "devices": [{"name": "d00000"}]}})
+
+    others = [foreign("gpu.example.com", NODE, pool_name("things")), foreign(DRIVER, "node2", pool_name("things",
+                                                                                                        "node2"))]
+    versions = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in others}
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(2))))
+        await wait_published(api, "things", ids(2))
+        await running.settle(tree(pool("things", ids(3))))
+        api.wipe(NODE, DRIVER)
+        await wait_published(api, "things", ids(3))
+        await running.settle(tree())
+        assert slices_of(api, "things") == []
+    assert {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in api.slices()} == versions
+    assert not [r for r in api.requests if any(r.path.endswith(name) for name in versions)]
+
+
+# -- a restart ----------------------------------------------------------------------------------------
+async def test_a_restart_with_changed_devices_continues_the_generation(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        await running.settle(tree(pool("things", ids(301))))
+        assert await wait_published(api, "things", ids(301)) == 2
+    names = [s["metadata"]["name"] for s in slices_of(api, "things")]
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(302))))
+        assert await wait_published(api, "things", ids(302)) == 3
+    assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
+
+
+async def test_a_restart_adopts_the_slices_it_finds(api: ApiServer, kubeconfig: Path) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        await wait_published(api, "things", ids(300))
+    names = [s["metadata"]["name"] for s in slices_of(api, "things")]
+    before = len(writes(api))
+    async with publishing(kubeconfig) as running:  # the same devices: nothing to write
+        await running.settle(tree(pool("things", ids(300))))
+        assert writes(api)[before:] == []
+        await running.settle(tree(pool("things", ids(299))))
+        assert await wait_published(api, "things", ids(299)) == 2
+    assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
+    assert [r.method for r in writes(api)[before:]] == ["PUT"] * 3
