@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kubernetes.client import ApiClient
 
-from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
+from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool, dns_subdomain_problem
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
 from daemon.dra._slices import generate_name
 from tests.fakesysfs import FakeHost
@@ -329,3 +329,12 @@ def test_a_memo_describes_again_only_the_devices_whose_record_changed() -> None:
     assert second[0] is first[0] and second[1]["attributes"]["numaNode"] == {"int": 1}
     assert set(memo) == {"kvm-0", "kvm-1"}  # what left the pool leaves the memo
     assert second == slice_devices(replace(pool, devices=devices), DRIVER, describer)  # type: ignore[arg-type]
+
+
+def test_a_long_node_name_cut_on_a_dot_still_gives_a_valid_generate_name() -> None:
+    from daemon.dra._slices import generate_name
+
+    node = "worker-0123456789-abcdefghijklmnopqrstu.eu-west-1.compute.internal"
+    name = generate_name(0, 1, "devplugd.io", node)
+    assert len(name) <= 58 and not name.endswith(".")
+    assert dns_subdomain_problem(name.rstrip("-") + "abcde") is None

@@ -216,9 +216,10 @@ def _add(
 def generate_name(index: int, slice_count: int, driver: str, node_name: str) -> str:
     """``<index in hex>-<driver>-<node>-``, as the Go helper names slices from v0.36: the index
     has as many hex digits as the pool's last index needs, at least 5, so the names sort in
-    slice order; cut to the 58 characters the API server keeps of a generateName."""
+    slice order; cut to the 58 characters the API server keeps of a generateName, and never
+    ending in a ``.`` (the server checks the prefix less a trailing ``-`` as a DNS subdomain)."""
     digits = max(INDEX_MIN_DIGITS, len(f"{max(slice_count - 1, 0):x}"))
-    return f"{index:0{digits}x}-{driver}-{node_name}-"[:GENERATE_NAME_MAX]
+    return f"{index:0{digits}x}-{driver}-{node_name}-"[:GENERATE_NAME_MAX].rstrip(".")
 
 
 def slice_bodies(
