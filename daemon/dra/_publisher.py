@@ -47,6 +47,7 @@ log = logging.getLogger("devplugd.dra")
 
 RETRY_MAX = 10.0
 CONFLICT_RETRIES = 5
+WATCH_LASTED = 5.0  # seconds: a watch that ran this long was a good one
 
 JsonObject = dict[str, Any]
 
@@ -235,11 +236,17 @@ class SlicePublisher:
                                                                    abandon_on_cancel=True)
                     self._replace_view(items)
                 complaints.recovered("watching our ResourceSlices again")
-                backoff.reset()
                 while True:
+                    started = trio.current_time()
                     version = await trio.to_thread.run_sync(self._watch_until_it_ends, kube, version,
                                                             trio.lowlevel.current_trio_token(),
                                                             abandon_on_cancel=True)
+                    # the backoff starts again only after a watch that lasted: one the server
+                    # ends at once, again and again, is not followed in a tight loop
+                    if trio.current_time() - started >= WATCH_LASTED:
+                        backoff.reset()
+                    else:
+                        await trio.sleep(backoff.next_delay())
             except Expired:
                 log.debug("DRA: the watch of our ResourceSlices expired; listing them again")
             except StreamEnded as error:  # no failure yet (a proxy resets it too): the list says
