@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,8 @@ import trio
 import trio_asyncio
 from trio_asyncio import aio_as_trio
 
+from daemon._generated.dra.v1 import api_pb2 as dra
+from daemon._generated.dra.v1 import api_pb2_grpc as dra_grpc
 from daemon.cdi import CdiWriter
 from daemon.core import (
     DEVICE_PLUGIN_ROAD,
@@ -31,6 +31,7 @@ from daemon.core import (
 from daemon.dra import device_name, pool_name
 from daemon.dra._claims import CLAIMS_FILE, ClaimBook, ClaimRef
 from daemon.dra._prepare import ClaimNotFound, ClaimPreparer, PrepareResult
+from daemon.dra._servicer import DraPluginServicer, add_to_server
 from daemon.sockets import start_unix_server
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
@@ -727,36 +728,24 @@ async def test_unexpected_failure_is_the_claims_error(node: Node) -> None:
 # -- over gRPC (once the generated DRA modules are there) -------------------------------------
 
 
-def _dra_generated() -> bool:
-    try:
-        return importlib.util.find_spec("daemon._generated.dra.v1.api_pb2_grpc") is not None
-    except ModuleNotFoundError:
-        return False
-
-
-@pytest.mark.skipif(not _dra_generated(), reason="the generated DRA v1 modules (daemon._generated.dra.v1) are not "
-                                                 "in this tree yet")
 async def test_servicer_answers_every_claim_over_grpc(node: Node, short_tmp: Path) -> None:
-    api = importlib.import_module("daemon._generated.dra.v1.api_pb2")
-    api_grpc = importlib.import_module("daemon._generated.dra.v1.api_pb2_grpc")
-    servicer = importlib.import_module("daemon.dra._servicer")
     good = node.api.add(claim_json(1, "good", [result(DPDK, VFIO_VFS[0], "dpdk/big")]))
     bad = node.api.add(claim_json(2, "bad", [result(NET, "0000:3b:09.0")]))
-    claims = [api.Claim(namespace=ref.namespace, uid=ref.uid, name=ref.name)
+    claims = [dra.Claim(namespace=ref.namespace, uid=ref.uid, name=ref.name)
               for ref in (good, bad, ClaimRef("default", uid(3), "deleted"))]
     socket = short_tmp / "dra.sock"
 
     async def call() -> tuple[Any, Any]:
         async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
-            stub = api_grpc.DRAPluginStub(channel)
-            prepared = await stub.NodePrepareResources(api.NodePrepareResourcesRequest(claims=claims), timeout=45)
-            unprepared = await stub.NodeUnprepareResources(api.NodeUnprepareResourcesRequest(claims=claims),
+            stub = dra_grpc.DRAPluginStub(channel)
+            prepared = await stub.NodePrepareResources(dra.NodePrepareResourcesRequest(claims=claims), timeout=45)
+            unprepared = await stub.NodeUnprepareResources(dra.NodeUnprepareResourcesRequest(claims=claims),
                                                            timeout=45)
             return prepared, unprepared
 
     async with trio_asyncio.open_loop():
         server = grpc.aio.server()
-        servicer.add_to_server(servicer.DraPluginServicer(node.preparer), server)
+        add_to_server(DraPluginServicer(node.preparer), server)
         await aio_as_trio(start_unix_server)(server, str(socket))
         try:
             prepared, unprepared = await aio_as_trio(call)()
