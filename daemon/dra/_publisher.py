@@ -150,14 +150,15 @@ class SlicePublisher:
         self._node_uid: str | None = None
         self._recheck_node = False  # slices of ours deleted by someone else: the Node may be new
         self._server: dict[str, JsonObject] = {}  # our slices on the server by name, as last seen
-        self._deleted: dict[str, int] = {}  # slice name -> resourceVersion we delete it at, until its DELETED event
+        # slice name -> the resourceVersion it is deleted at: by us (until its DELETED event), or as
+        # a DELETED event said (so that our create's answer arriving after it is not taken as live)
+        self._deleted: dict[str, int] = {}
         self._listed = trio.Event()
         # Held by a sync round and by a list with its taking over the view: a list taken before
         # our writes and answered after them would undo them in the view (and make us write twice).
         self._view_lock = trio.Lock()
-        self._devices: dict[str, tuple[ResourcePool, list[JsonObject]]] = {}  # resource -> (pool, devices)
-        # resource -> (its pool config, the memo of slice_devices): entries of unchanged devices kept
-        self._memos: dict[str, tuple[object, dict[str, Any]]] = {}
+        # resource -> (the pool as last offered, its devices, the memo of slice_devices for it)
+        self._devices: dict[str, tuple[ResourcePool, list[JsonObject], dict[str, Any]]] = {}
         self._seen_problems: set[str] = set()  # what slice_devices logged already: once in all
         self._written: dict[str, _Written] = {}  # pool name -> what we wrote
         self._rejected: dict[str, list[JsonObject]] = {}  # pool name -> devices the server refused (422)
@@ -320,26 +321,22 @@ class SlicePublisher:
         worked out again only when its ResourcePool changed, and then only those whose record
         changed (the memo)."""
         desired: dict[str, tuple[str, list[JsonObject]]] = {}
-        kept: dict[str, tuple[ResourcePool, list[JsonObject]]] = {}
+        kept: dict[str, tuple[ResourcePool, list[JsonObject], dict[str, Any]]] = {}
         for resource, pool in tree.pools.items():
             if pool.road != DRA_ROAD:
                 continue
             cached = self._devices.get(resource)
             if cached is not None and cached[0] is pool:
-                devices = cached[1]
+                devices, memo = cached[1], cached[2]
             else:
+                # a reload may change what the describer says: a new pool config, a new memo
+                memo = cached[2] if cached is not None and cached[0].pool_config is pool.pool_config else {}
                 hooks = self._hooks.get(pool.handler)
-                config, memo = self._memos.get(resource, (None, {}))
-                if config is not pool.pool_config:
-                    memo = {}  # a reload may change what the describer says
-                self._memos[resource] = (pool.pool_config, memo)
                 devices = slice_devices(pool, self._driver, hooks.describer if hooks is not None else None,
                                         seen=self._seen_problems, memo=memo)
-            kept[resource] = (pool, devices)
+            kept[resource] = (pool, devices, memo)
             desired[pool_name(self._node, resource)] = (resource, devices)
         self._devices = kept
-        for resource in self._memos.keys() - kept.keys():
-            del self._memos[resource]
         return desired
 
     async def _sync(self, kube: Kube) -> None:
