@@ -458,12 +458,7 @@ class SlicePublisher:
                 written = await trio.to_thread.run_sync(kube.replace_slice, name, body, abandon_on_cancel=True)
                 break
             except Conflict:
-                log.info("DRA: ResourceSlice %s changed on the server; reading it again", name,
-                         extra={"EVENT": "dra"})
-                try:
-                    current = await trio.to_thread.run_sync(kube.read_slice, name, abandon_on_cancel=True)
-                except NotFound:
-                    current = None
+                current = await self._read_again(kube, name)
             except NotFound:
                 self._server.pop(name, None)
                 current = None
@@ -480,6 +475,15 @@ class SlicePublisher:
             self._server[name] = written
         return written
 
+    @staticmethod
+    async def _read_again(kube: Kube, name: str) -> JsonObject | None:
+        """After a 409: the slice as the server has it now (``None``: gone)."""
+        log.info("DRA: ResourceSlice %s changed on the server; reading it again", name, extra={"EVENT": "dra"})
+        try:
+            return await trio.to_thread.run_sync(kube.read_slice, name, abandon_on_cancel=True)
+        except NotFound:
+            return None
+
     async def _delete_slices(self, kube: Kube, slices: Sequence[JsonObject]) -> None:
         for item in slices:
             name = item["metadata"]["name"]
@@ -493,12 +497,9 @@ class SlicePublisher:
                     self.writes += 1
                     break
                 except Conflict:  # changed since we saw it: obsolete all the same, at its new version
-                    log.info("DRA: ResourceSlice %s changed on the server; reading it again", name,
-                             extra={"EVENT": "dra"})
-                    try:
-                        current = await trio.to_thread.run_sync(kube.read_slice, name, abandon_on_cancel=True)
-                    except NotFound:
+                    if (read := await self._read_again(kube, name)) is None:
                         break
+                    current = read
             else:
                 raise KubeError(f"ResourceSlice {name}: still in conflict after {CONFLICT_RETRIES} tries")
             self._server.pop(name, None)
