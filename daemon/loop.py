@@ -350,13 +350,11 @@ class EventLoop:
         any_dra = any(pool_config.entry.allocation_api == DRA_API for _, pool_config, *_ in fresh)
         allocations = await self._allocations() if any_dra or any(gone for *_, gone in fresh) else {}
         holds = _Holds(self._lease_holders(), self._claim_holders(), allocations, self._dra_withheld())
-        # a device that vanishes while a pod has it, through either API, stays listed Unhealthy
-        in_use = None if allocations is None else {
-            **allocations, **{key: f"claim {claim}" for key, claim in holds.claims.items()}}
         for name, pool_config, devices, gone in fresh:
             vanished: frozenset[str] = frozenset()
             if gone:
-                devices, vanished = _keep_allocated(previous.pools[pool_config.resource], devices, gone, in_use)
+                devices, vanished = _keep_allocated(previous.pools[pool_config.resource], devices, gone,
+                                                    holds.in_use())
             pools.append(self._pool(previous, name, pool_config, devices, holds, vanished))
         tree = DeviceTree.build(previous.version + 1, pools)
         self._notifier.publish(tree)
@@ -401,7 +399,7 @@ class _Holds:
     """Who holds what, read once per tree: host leases and DRA claims by (resource, device), the
     kubelet's checkpoint (``None``: unreadable), and the pools whose slices are being withdrawn."""
 
-    __slots__ = ("leases", "claims", "allocations", "withheld")
+    __slots__ = ("leases", "claims", "allocations", "withheld", "_in_use")
 
     def __init__(self, leases: Mapping[tuple[str, str], object], claims: Mapping[tuple[str, str], object],
                  allocations: Allocations | None, withheld: frozenset[str]) -> None:
@@ -409,6 +407,17 @@ class _Holds:
         self.claims = claims
         self.allocations = allocations
         self.withheld = withheld
+        self._in_use: Allocations | None = None
+
+    def in_use(self) -> Allocations | None:
+        """Who has a device, through either API: a device that vanishes while a pod has it stays
+        listed Unhealthy (``None``: the checkpoint cannot be read). Worked out for the first
+        device gone in a tree, not for every tree."""
+        if self.allocations is None:
+            return None
+        if self._in_use is None:
+            self._in_use = {**self.allocations, **{key: f"claim {claim}" for key, claim in self.claims.items()}}
+        return self._in_use
 
     @staticmethod
     def of(holders: Mapping[tuple[str, str], object], resource: str, devices: DeviceMap) -> frozenset[str]:
