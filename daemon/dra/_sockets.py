@@ -127,14 +127,12 @@ class DraSockets:
         settings: Settings,
         plugin: dra_v1_grpc.DRAPluginServicer,
         health: HealthServicer,
-        on_change: Callable[[], None] = lambda: None,
     ) -> None:
         self.plugin_socket = settings.dra_socket
         self.registration_socket = settings.dra_registration_socket
         self._driver = settings.dra_driver
         self._plugin = plugin
         self._health = health
-        self._on_change = on_change
         self._info = reg.PluginInfo(type=PLUGIN_TYPE, name=settings.dra_driver, endpoint=str(settings.dra_socket),
                                     supported_versions=SUPPORTED_VERSIONS)
         self.registered = False
@@ -161,7 +159,6 @@ class DraSockets:
             log.info("kubelet registered DRA driver %s (endpoint %s)", self._driver, self.plugin_socket)
         else:
             log.error("kubelet refused DRA driver %s: %s", self._driver, self.registration_error)
-        self._on_change()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve dra.sock, then the registration socket, then report started (also when listening
@@ -203,7 +200,6 @@ class DraSockets:
             await self._stop_plugin()
             self._plugin_served = await self._serve(self.plugin_socket, self._add_plugin_services)
             log.info("serving DRA driver %s on %s", self._driver, self.plugin_socket)
-            self._on_change()
         if self._gone(self._registration_served):
             if self._registration_served is not None:
                 log.warning("%s was removed: serving it again", self.registration_socket)
@@ -211,7 +207,6 @@ class DraSockets:
             self._registration_served = await self._serve(self.registration_socket, self._add_registration)
             self.registration_error = ""  # a new registration: the kubelet's next word is about it
             log.info("DRA driver %s waits for the kubelet on %s", self._driver, self.registration_socket)
-            self._on_change()
 
     def _add_plugin_services(self, server: grpc.aio.Server) -> None:
         dra_v1_grpc.add_DRAPluginServicer_to_server(self._plugin, server)
@@ -250,11 +245,9 @@ class DraSockets:
         if served is not None:
             self.registered = False
             await self._stop(served)
-            self._on_change()
 
     async def _stop_plugin(self) -> None:
         served, self._plugin_served = self._plugin_served, None
         if served is not None:
             self._health.close_streams()
             await self._stop(served)
-            self._on_change()
