@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from daemon.core import DaemonConfig, dns_subdomain_problem
+from daemon.core import DaemonConfig, dns_subdomain_problem, dra_pool_part
 
 from ._slices import MANAGED_BY, string_problem
 
@@ -25,10 +25,10 @@ def device_class_name(resource: str) -> str:
     """``intel.com/sriov_vfs`` -> ``sriov-vfs.intel.com``: the name part lower-cased with ``_`` as
     ``-`` (a DNS label, as the config's resource-name rules leave it), then ``.`` and the prefix
     (a lower-case DNS subdomain already), so each class reads as a name in its vendor's domain,
-    like ``gpu.nvidia.com``. Two DRA pools never share one: their pool names, made the same way,
-    are checked to differ when the config is read."""
-    prefix, _, name = resource.partition("/")
-    class_name = f"{name.lower().replace('_', '-')}.{prefix}"
+    like ``gpu.nvidia.com``. Two DRA pools never share one: it is their pool names' part
+    (``dra_pool_part``) turned round, and those are checked to differ when the config is read."""
+    prefix, _, name = dra_pool_part(resource).partition("/")
+    class_name = f"{name}.{prefix}"
     if problem := dns_subdomain_problem(class_name):
         raise DeviceClassError(f"{resource!r} gives no DeviceClass name: {class_name!r} {problem}")
     return class_name
