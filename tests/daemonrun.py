@@ -65,3 +65,8 @@ def wait_for_control(control_socket: Path, timeout: float = 10) -> None:
     """Until the daemon's host API answers ``devplugd list`` on ``control_socket``."""
     wait_until(lambda: control_cli(control_socket, "list", "-o", "json").returncode == 0, timeout,
                "the control socket never answered", interval=0.05)
+
+
+def run_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """``devplugd ARGUMENTS`` from this checkout, its output captured as text."""
+    return subprocess.run(daemon_command(*arguments), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from daemon import __version__
-from tests.daemonrun import REPO_ROOT, daemon_command
+from tests.daemonrun import REPO_ROOT, run_cli
 
 GOOD = {"resourceList": [{"resourceName": "vfs", "selectors": {"drivers": ["iavf"]}}]}
 
@@ -35,10 +34,6 @@ BAD_CONFIGS = [
     (json.dumps({"resourceList": [{"resourceName": "x", "allocationPolicy": "tight", "selectors": {}}]}),
      "$.resourceList[0].allocationPolicy: unknown allocation policy 'tight' (expected one of: packed, spread)"),
 ]
-
-
-def run_cli(*arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(daemon_command(*arguments), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize(("text", "message"), BAD_CONFIGS)

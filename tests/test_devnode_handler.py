@@ -2,44 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import stat
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from daemon.core import ConfigFileError, DeviceSpec, HandlerContext, parse_config
-from daemon.handlers.devnode import DevNodeHandler
+from daemon.core import ConfigFileError, DeviceSpec
+from tests.devnodes import DevNodes, mknod
 from tests.fakesysfs import FakeHost
-
-
-def mknod(root: Path, relative: str, major: int, minor: int, *, block: bool = False) -> Path:
-    path = root / relative
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.mknod(path, (stat.S_IFBLK if block else stat.S_IFCHR) | 0o660, os.makedev(major, minor))
-    return path
-
-
-class DevNodes:
-    def __init__(self, host: FakeHost) -> None:
-        self.host = host
-        self.root = host.dev
-        self.handler = DevNodeHandler(HandlerContext(host.sys, host.dev, host.proc, host.root / "devinfo"))
-
-    def configure(self, *entries: dict[str, Any]) -> list[Any]:
-        text = json.dumps({"resourceList": [{"deviceType": "devNode", **entry} for entry in entries]})
-        parsers = {"devNode": ("devnode", self.handler.parse_pool)}
-        return list(parse_config(text, "t", "devices.kubevirt.io", parsers).pools)
-
-    def build(self, *entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        configured = self.configure(*entries)
-        built = self.handler.build(self.handler.scan(), configured)
-        return {pool.resource.split("/")[1]: dict(built[pool.resource]) for pool in configured}
-
-    def ids(self, *entries: dict[str, Any]) -> dict[str, set[str]]:
-        return {name: set(devices) for name, devices in self.build(*entries).items()}
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from daemon.dra import device_name, slice_devices
 from daemon.handlers.devnode import DevNodeHandler
 from daemon.handlers.pci import PciHandler
 from daemon.handlers.pci._attributes import hex_id, pci_attributes
+from tests.devnodes import DevNodes, mknod
 from tests.fakesysfs import INFINIBAND, FakeHost
 from tests.pci import NVME_CLASS, Pci
-from tests.test_devnode_handler import DevNodes, mknod
 
 DRIVER = "devplugd.io"
 PF = "0000:3b:00.0"

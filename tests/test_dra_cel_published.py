@@ -13,7 +13,6 @@ import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import celpy
 import pytest
@@ -35,6 +34,7 @@ from daemon.dra._publisher import ApiLink, SlicePublisher
 from daemon.handlers.devnode import DevNodeHandler
 from daemon.settings import Settings
 from tests.apiserver import ApiServer
+from tests.cel import cel_device
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci, add_nvme_pf
 
@@ -120,17 +120,6 @@ async def publish(api: ApiServer, kubeconfig: Path, hooks: dict[str, Hooks], off
             nursery.cancel_scope.cancel()
     finally:
         link.close()
-
-
-def cel_device(driver: str, attributes: dict[str, dict[str, Any]]) -> Any:
-    """``device`` as a DRA CEL selector sees it: ``driver``, and ``attributes`` by domain, the
-    unprefixed ones under the driver's own."""
-    by_domain: dict[str, dict[str, Any]] = {}
-    for name, typed in attributes.items():
-        domain, _, identifier = name.rpartition("/")
-        ((_, value),) = typed.items()
-        by_domain.setdefault(domain or driver, {})[identifier] = value
-    return celpy.json_to_cel({"driver": driver, "attributes": by_domain})
 
 
 async def test_each_class_selects_exactly_its_own_pools_published_devices(

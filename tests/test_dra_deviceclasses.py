@@ -25,10 +25,11 @@ from daemon.dra import (
     slice_devices,
 )
 from daemon.handlers.devnode import DevNodeHandler
+from tests.cel import cel_device
+from tests.daemonrun import run_cli
+from tests.devnodes import mknod
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci, add_nvme_pf
-from tests.test_cli import run_cli
-from tests.test_devnode_handler import mknod
 
 DRIVER = "devplugd.io"
 NODE = "node1"
@@ -87,17 +88,6 @@ def published_slices(pools: list[ResourcePool], pci: Pci, devnode: DevNodeHandle
         slices += slice_bodies(driver=DRIVER, node_name=NODE, node_uid="uid-1", pool_name=pool_name(NODE, pool.resource),
                                generation=1, devices=devices, max_devices=2)
     return slices
-
-
-def cel_device(driver: str, attributes: dict[str, dict[str, Any]]) -> Any:
-    """``device`` as a DRA CEL selector sees it: ``driver``, and ``attributes`` by domain, the
-    unprefixed ones under the driver's own."""
-    by_domain: dict[str, dict[str, Any]] = {}
-    for name, typed in attributes.items():
-        domain, _, identifier = name.rpartition("/")
-        ((_, value),) = typed.items()
-        by_domain.setdefault(domain or driver, {})[identifier] = value
-    return celpy.json_to_cel({"driver": driver, "attributes": by_domain})
 
 
 def round_trips(body: dict[str, Any], model: str) -> bool:

@@ -33,9 +33,9 @@ from daemon.dra._claims import CLAIMS_FILE, ClaimBook, ClaimRef
 from daemon.dra._prepare import ClaimNotFound, ClaimPreparer, PrepareResult
 from daemon.dra._servicer import DraPluginServicer, add_to_server
 from daemon.sockets import start_unix_server
+from tests.devnodes import DevNodes, mknod
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
-from tests.test_devnode_handler import DevNodes, mknod
 
 DRIVER = "devplugd.io"
 NODE = "node1"

@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
 
 import trio
 import trio_asyncio
@@ -19,54 +18,16 @@ from daemon.core import (
     UNHEALTHY,
     CheckpointChanged,
     ConfigChanged,
-    ConfiguredPool,
     DaemonConfig,
-    DeviceInfo,
     Event,
     Notifier,
-    PoolEntry,
     Resync,
     parse_config,
 )
 from daemon.deviceplugin import Endpoints
 from daemon.loop import EventLoop
 from daemon.settings import Settings
-
-
-class CountingHandler:
-    """A handler whose facts are a number of devices; it can be told to fail."""
-
-    name: ClassVar[str] = "counting"
-    device_types: ClassVar[frozenset[str]] = frozenset({"counted"})
-    subsystems: ClassVar[frozenset[str]] = frozenset()
-
-    def __init__(self) -> None:
-        self.devices = 2
-        self.scans = 0
-        self.fail_build = False
-        self.fail_scan = False
-        self.fail_parse = False
-        self.parsed = 0
-
-    def parse_pool(self, entry: PoolEntry) -> None:
-        self.parsed += 1
-        if self.fail_parse:
-            raise KeyError("a bug in the handler's parser")
-        return None
-
-    def scan(self) -> int:
-        self.scans += 1
-        if self.fail_scan:
-            raise OSError("sysfs went away")
-        return self.devices
-
-    def fold(self, facts: int, event: Event) -> int:
-        return self.scan() if isinstance(event, Resync) else facts
-
-    def build(self, facts: int, pools: Sequence[ConfiguredPool]) -> dict[str, Any]:
-        if self.fail_build:
-            raise ValueError("bad fact")
-        return {pool.resource: {f"d{n}": DeviceInfo() for n in range(facts)} for pool in pools}
+from tests.counting import CountingHandler, wait_for_socket, write_checkpoint
 
 
 def counted_config(handler: CountingHandler, *names: str) -> DaemonConfig:
@@ -116,12 +77,6 @@ async def running_loop(tmp: Path, next_config: list[str] | None = None, *, capac
         nursery.start_soon(loop.run, receive)
         yield Running(loop, notifier, handler, send)
         nursery.cancel_scope.cancel()
-
-
-async def wait_for_socket(directory: Path, resource: str, *, present: bool = True) -> None:
-    with trio.fail_after(5):
-        while bool(list(directory.glob(f"devplugd-{resource}-*.sock"))) != present:
-            await trio.sleep(0.01)
 
 
 async def test_initial_scan_arrives_as_an_event_and_is_served(short_tmp):
@@ -187,17 +142,6 @@ async def test_a_handler_failing_to_parse_a_reloaded_pool_refuses_the_reload_and
         await running.handle(ConfigChanged("test"))
         assert running.loop.reloads == 1
         assert [pool.resource for pool in running.loop.config.pools] == ["example.com/others"]
-
-
-def write_checkpoint(directory: Path, *device_ids: str, resource: str = "example.com/things") -> None:
-    """The kubelet's checkpoint with ``device_ids`` of ``resource`` allocated to one pod, written
-    as the kubelet writes it (a temporary file renamed into place)."""
-    entries = [{"PodUID": "uid-1", "ContainerName": "app", "ResourceName": resource,
-                "DeviceIDs": {"-1": list(device_ids)}, "AllocResp": ""}] if device_ids else []
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / ".tmp").write_text(json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}},
-                                                "Checksum": 1}))
-    (directory / ".tmp").rename(directory / CHECKPOINT_NAME)
 
 
 async def remove_d2(running: Running, tmp: Path, *, held_by_a_pod: str) -> None:

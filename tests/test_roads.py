@@ -30,7 +30,7 @@ from daemon.core import (
 from daemon.deviceplugin import Endpoints
 from daemon.loop import EventLoop
 from daemon.settings import Settings
-from tests.test_loop import CountingHandler, wait_for_socket, write_checkpoint
+from tests.counting import CountingHandler, wait_for_socket, write_checkpoint
 
 
 def config_text(api: str) -> str:

@@ -1,0 +1,67 @@
+"""A handler whose facts are just a number of devices, for the event loop's tests, and what
+those tests look at: the endpoints' socket files and the kubelet's checkpoint."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import trio
+
+from daemon.checkpoint import CHECKPOINT_NAME
+from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
+
+
+class CountingHandler:
+    """A handler whose facts are a number of devices; it can be told to fail."""
+
+    name: ClassVar[str] = "counting"
+    device_types: ClassVar[frozenset[str]] = frozenset({"counted"})
+    subsystems: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self) -> None:
+        self.devices = 2
+        self.scans = 0
+        self.fail_build = False
+        self.fail_scan = False
+        self.fail_parse = False
+        self.parsed = 0
+
+    def parse_pool(self, entry: PoolEntry) -> None:
+        self.parsed += 1
+        if self.fail_parse:
+            raise KeyError("a bug in the handler's parser")
+        return None
+
+    def scan(self) -> int:
+        self.scans += 1
+        if self.fail_scan:
+            raise OSError("sysfs went away")
+        return self.devices
+
+    def fold(self, facts: int, event: Event) -> int:
+        return self.scan() if isinstance(event, Resync) else facts
+
+    def build(self, facts: int, pools: Sequence[ConfiguredPool]) -> dict[str, Any]:
+        if self.fail_build:
+            raise ValueError("bad fact")
+        return {pool.resource: {f"d{n}": DeviceInfo() for n in range(facts)} for pool in pools}
+
+
+async def wait_for_socket(directory: Path, resource: str, *, present: bool = True) -> None:
+    with trio.fail_after(5):
+        while bool(list(directory.glob(f"devplugd-{resource}-*.sock"))) != present:
+            await trio.sleep(0.01)
+
+
+def write_checkpoint(directory: Path, *device_ids: str, resource: str = "example.com/things") -> None:
+    """The kubelet's checkpoint with ``device_ids`` of ``resource`` allocated to one pod, written
+    as the kubelet writes it (a temporary file renamed into place)."""
+    entries = [{"PodUID": "uid-1", "ContainerName": "app", "ResourceName": resource,
+                "DeviceIDs": {"-1": list(device_ids)}, "AllocResp": ""}] if device_ids else []
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".tmp").write_text(json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}},
+                                                "Checksum": 1}))
+    (directory / ".tmp").rename(directory / CHECKPOINT_NAME)
