@@ -342,10 +342,6 @@ async def test_a_conflict_is_read_again_and_retried(
     assert errors(caplog) == []
 
 
-
-
-
-
 async def test_a_slice_changed_by_someone_else_is_put_right(api: ApiServer, kubeconfig: Path) -> None:
     async with publishing(kubeconfig) as running:
         await running.settle(tree(pool("things", ids(3))))

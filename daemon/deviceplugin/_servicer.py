@@ -43,7 +43,6 @@ COALESCE_QUIET = 0.025
 COALESCE_MAX_DELAY = 0.25
 
 
-
 class _StreamClosed(Exception):
     pass
 

@@ -53,7 +53,6 @@ STOP_GRACE = 0.2
 PLUGIN_DIR_MODE = 0o750
 
 
-
 class _WireMessage(Protocol):
     """What ``convert`` needs of a protobuf message class (``google.protobuf.message.Message``,
     which mypy cannot see here: ``google`` is a namespace package)."""

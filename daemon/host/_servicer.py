@@ -276,8 +276,6 @@ class _WatchStream:
             await self._wakeup.wait()
 
 
-
-
 async def _start_control_server(socket_path: str, servicer: HostServicer) -> grpc.aio.Server:
     server = grpc.aio.server()
     host_grpc.add_HostServicer_to_server(servicer, server)

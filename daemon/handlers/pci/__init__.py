@@ -250,7 +250,6 @@ class PciHandler:
                 remove_devinfo_files(self._context.devinfo_dir, pool.resource)
 
 
-
 def _is_bridge_address(sysfs_root: str, address: str) -> bool:
     try:
         class_code = read_hex_id(f"{sysfs_root}/bus/pci/devices/{address}/class", 6)

@@ -35,7 +35,6 @@ IOMMU_NODE = "/dev/iommu"
 _VFIO_CONTAINER_SPEC = DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER)  # one object for every vfio device
 
 
-
 @dataclass(frozen=True, slots=True)
 class PciDetails:
     """A pool device's allocation record: the facts plus its ``_INFO`` entry and devinfo extras.
