@@ -28,7 +28,7 @@ def extended_resource_name_problem(name: str) -> str | None:
     qualified_domain = "requests." + domain
     if len(qualified_domain) > 253:
         return "domain is longer than 244 characters"
-    if not all(_DNS_LABEL.fullmatch(label) for label in qualified_domain.split(".")):
+    if dns_subdomain_problem(qualified_domain):
         return f"domain {domain!r} is not a lower-case DNS subdomain"
     if not 1 <= len(short) <= 63:
         return f"name part {short!r} must be 1-63 characters"
