@@ -30,7 +30,8 @@ from daemon.core import (
     parse_config,
 )
 from daemon.dra import device_classes, pool_name
-from daemon.dra._publisher import ApiLink, SlicePublisher
+from daemon.dra._kube import ApiLink
+from daemon.dra._publisher import SlicePublisher
 from daemon.handlers.devnode import DevNodeHandler
 from daemon.settings import Settings
 from tests.apiserver import ApiServer

@@ -34,8 +34,8 @@ from daemon.core import (
     parse_config,
 )
 from daemon.dra import _publisher
-from daemon.dra._kube import Kube
-from daemon.dra._publisher import ApiLink, SlicePublisher
+from daemon.dra._kube import ApiLink, Kube
+from daemon.dra._publisher import SlicePublisher
 from daemon.settings import Settings
 from tests.apiserver import SLICES_PATH, ApiServer, Request
 

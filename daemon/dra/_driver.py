@@ -32,9 +32,9 @@ from daemon.supervise import Backoff, keep_running
 
 from ._claims import ClaimBook
 from ._health import HealthServicer
-from ._kube import KubeError, NotFound
+from ._kube import ApiLink, KubeError, NotFound
 from ._prepare import ClaimNotFound, ClaimPreparer
-from ._publisher import ApiLink, SlicePublisher
+from ._publisher import SlicePublisher
 from ._servicer import DraPluginServicer
 from ._sockets import DraSockets
 

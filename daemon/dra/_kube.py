@@ -8,7 +8,8 @@ of the ``KubeError`` kinds below, each with the server's message (and, for 422, 
 
 Credentials: ``--kubeconfig`` (or ``$KUBECONFIG``, or the kubelet's own kubeconfig, whose node
 identity the Node authorizer lets manage this node's slices); with none, the in-cluster service
-account of the pod devplugd runs in.
+account of the pod devplugd runs in. ``ApiLink`` makes the one connection on first use and
+shares it (the slice publisher and Prepare's claim reads).
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+import trio
+
+from daemon.settings import Settings
 
 log = logging.getLogger("devplugd.dra")
 
@@ -213,3 +218,24 @@ class Kube:
             self._call(f"DELETE resourceslice {name}", self._resource.delete_resource_slice, name, body=body)
         except NotFound:
             pass
+
+
+class ApiLink:
+    """The API server connection, made on first use and shared (the slice tasks and Prepare)."""
+
+    def __init__(self, settings: Settings, connect: Callable[[Settings], Kube] | None = None) -> None:
+        self._settings = settings
+        self._connect = connect or (lambda s: Kube.connect(s.kubeconfig))
+        self._kube: Kube | None = None
+        self._lock = trio.Lock()
+
+    async def get(self) -> Kube:
+        """The connected client; raises KubeError when there are no usable credentials."""
+        async with self._lock:
+            if self._kube is None:
+                self._kube = await trio.to_thread.run_sync(self._connect, self._settings)
+            return self._kube
+
+    def close(self) -> None:
+        if self._kube is not None:
+            self._kube.close()

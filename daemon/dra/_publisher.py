@@ -39,7 +39,7 @@ from daemon.core import DRA_API, DRA_ROAD, DeviceTree, Hooks, ResourcePool
 from daemon.settings import Settings
 from daemon.supervise import Backoff
 
-from ._kube import Conflict, Expired, Invalid, Kube, KubeError, NotFound, StreamEnded
+from ._kube import ApiLink, Conflict, Expired, Invalid, Kube, KubeError, NotFound, StreamEnded
 from ._names import pool_name
 from ._slices import slice_bodies, slice_devices
 
@@ -72,27 +72,6 @@ def _version(obj: Mapping[str, Any]) -> int:
         return int((obj.get("metadata") or {}).get("resourceVersion", ""))
     except ValueError:
         return -1
-
-
-class ApiLink:
-    """The API server connection, made on first use and shared (the slice tasks and Prepare)."""
-
-    def __init__(self, settings: Settings, connect: Callable[[Settings], Kube] | None = None) -> None:
-        self._settings = settings
-        self._connect = connect or (lambda s: Kube.connect(s.kubeconfig))
-        self._kube: Kube | None = None
-        self._lock = trio.Lock()
-
-    async def get(self) -> Kube:
-        """The connected client; raises KubeError when there are no usable credentials."""
-        async with self._lock:
-            if self._kube is None:
-                self._kube = await trio.to_thread.run_sync(self._connect, self._settings)
-            return self._kube
-
-    def close(self) -> None:
-        if self._kube is not None:
-            self._kube.close()
 
 
 class _Complaints:
