@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 import trio
 import trio.testing
 
+import daemon.dra._claims
 from daemon.dra._claims import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
+from daemon.files import write_atomically
 
 UID_A = "4a1f0c2e-0000-4000-8000-00000000000a"
 UID_B = "4a1f0c2e-0000-4000-8000-00000000000b"
@@ -77,13 +80,22 @@ async def test_holders_are_the_exclusive_allocations(state_dir: Path) -> None:
     assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): "claim default/a"}
 
 
-async def test_claim_holds_its_devices_from_the_moment_it_is_added(state_dir: Path) -> None:
+async def test_claim_holds_its_devices_from_the_moment_it_is_added(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_may_finish = threading.Event()
+
+    def held_write(path: Path, data: bytes) -> None:
+        write_may_finish.wait(10)  # the disk is slow: the add waits on its write in a worker thread
+        write_atomically(path, data)
+
+    monkeypatch.setattr(daemon.dra._claims, "write_atomically", held_write)
     book = loaded(state_dir)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(book.add, claim())
-        await trio.testing.wait_all_tasks_blocked()  # the add waits on its write in a worker thread
+        await trio.testing.wait_all_tasks_blocked()
         assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): "claim default/a"}
         assert book.prepared(UID_A) is None  # not in the file yet
+        write_may_finish.set()
     assert book.prepared(UID_A) == claim()
 
 
