@@ -1,6 +1,7 @@
 """The guest harness's host-side parts without booting anything (milliseconds): QEMU's argv for
-each topology, the run script's udevd prelude, and the monitor relay against a stand-in QMP
-server, driven by the guest-side ``hmp`` exactly as a guest script calls it."""
+each topology and for USB, the run script's udevd prelude, the USB disk image, and the monitor
+relay against a stand-in QMP server, driven by the guest-side ``hmp`` and ``plug``/``unplug``
+exactly as a guest script calls them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tests.guest import BridgedNvme, GuestImage, MultifunctionNvme, SriovNvme, q
 from tests.guest.listener import parse
 from tests.guest.machine import _write_run_script, topology_document
 from tests.guest.monitor import MonitorError, MonitorRelay, hmp, inject_aer
+from tests.guest.usb import DISK, FTDI, FTDI_NO_SERIAL, KEYBOARD, UsbDevice, plug, unplug, write_disk_image
 
 IMAGE = GuestImage(Path("/nonexistent"), {"kernel_version": "6.1.0-0-amd64"})
 
@@ -68,6 +70,29 @@ def test_udevd_prelude_runs_before_the_command(tmp_path: Path) -> None:
     assert "systemd-udevd" not in (tmp_path / "run.sh").read_text()
 
 
+def test_usb_gives_an_empty_xhci_and_asks_init_for_the_usb_modules(tmp_path: Path) -> None:
+    argv = qemu_command(IMAGE, pfs=[2], share=tmp_path, console=tmp_path / "console", usb=True)
+    assert "qemu-xhci,id=xhci,bus=pcie.0,addr=19.0" in devices(argv)
+    assert not any(device.startswith("qemu-xhci") for device in devices(
+        qemu_command(IMAGE, pfs=[2], share=tmp_path, console=tmp_path / "console")))
+    env = {"GUEST_SHARE": str(tmp_path), "PATH": "/bin"}
+    _write_run_script(tmp_path, ["true"], cwd=tmp_path, env=env, usb=True)
+    assert "GUEST_USB=1" in (tmp_path / "guest.env").read_text().splitlines()
+    _write_run_script(tmp_path, ["true"], cwd=tmp_path, env=env)
+    assert "GUEST_USB" not in (tmp_path / "guest.env").read_text()
+
+
+def test_the_usb_disk_image_has_an_mbr_with_one_linux_partition(tmp_path: Path) -> None:
+    image = tmp_path / "disk.img"
+    write_disk_image(image, size_mib=8)
+    data = image.read_bytes()
+    assert len(data) == 8 << 20 and data[510:512] == b"\x55\xaa"
+    assert data[450] == 0x83  # the first entry's type: Linux
+    assert int.from_bytes(data[454:458], "little") == 2048
+    assert int.from_bytes(data[458:462], "little") == (8 << 20) // 512 - 2048
+    assert data[462:510] == bytes(48)  # no other partition
+
+
 class FakeQmp:
     """Speaks enough QMP: greeting, qmp_capabilities, human-monitor-command (with an event first)."""
 
@@ -96,6 +121,12 @@ class FakeQmp:
                         reply = {"return": "OK id: rp0 root bus: 0000:00, bus: 0 devfn: 1.0\r\n"}
                     elif command == "fail":
                         reply = {"error": {"class": "GenericError", "desc": "nope"}}
+                    elif "port=9" in command:
+                        reply = {"return": "usb port 9 (bus xhci.0) not found\r\n"}
+                    elif command.startswith("drive_add"):
+                        reply = {"return": "OK\r\n"}
+                    elif command.split()[0] in ("device_add", "device_del", "chardev-add", "chardev-remove"):
+                        reply = {"return": ""}
                     else:
                         reply = {"return": "invalid error status value\r\n"}
                     stream.write(json.dumps(reply).encode() + b"\r\n")
@@ -147,3 +178,25 @@ def test_the_listener_parses_kernel_and_libudev_messages() -> None:
     udev = parse(header.ljust(40, b"\0") + properties, 2.0)
     assert udev is not None and (udev.source, udev.action, udev.properties["ID_PATH"]) == ("udev", "bind",
                                                                                             "pci-0000:01:00.1")
+
+
+def test_usb_plug_and_unplug_send_the_recipes_hmp_commands(relay: FakeQmp, short_tmp: Path) -> None:
+    guest = short_tmp / "share" / ".guest"
+    for device in (KEYBOARD, FTDI, DISK, FTDI_NO_SERIAL):
+        plug(device)
+    unplug(FTDI)
+    unplug(DISK)
+    with pytest.raises(MonitorError, match="usb port 9"):
+        plug(UsbDevice("kbd9", "usb-kbd", 9, None))
+    assert relay.commands == [
+        "device_add usb-kbd,bus=xhci.0,id=kbd1,port=1,serial=KBD0001",
+        f"chardev-add file,id=ftdi1-chr,path={guest}/usb/ftdi1.out",
+        "device_add usb-serial,bus=xhci.0,id=ftdi1,port=2,serial=FTDI0042,chardev=ftdi1-chr",
+        f"drive_add 0 if=none,id=disk1-drive,format=raw,file={guest}/usb-disk.img",
+        "device_add usb-storage,bus=xhci.0,id=disk1,port=3,serial=STOR4242,drive=disk1-drive",
+        f"chardev-add file,id=ftdi2-chr,path={guest}/usb/ftdi2.out",
+        "device_add usb-serial,bus=xhci.0,id=ftdi2,port=4,serial=,chardev=ftdi2-chr",  # no serial at all
+        "device_del ftdi1", "chardev-remove ftdi1-chr",
+        "device_del disk1",  # QEMU deletes the drive_add drive with its device
+        "device_add usb-kbd,bus=xhci.0,id=kbd9,port=9",  # no serial=: QEMU makes one up
+    ]

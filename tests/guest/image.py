@@ -8,7 +8,9 @@ What a guest needs to show real SR-IOV (see shared/docs/real-kernel-sriov.md):
   vfio and 9p are modules.
 - An initramfs of busybox-static, the modules the guest loads (nvme for the PFs' ``sriov_configure``,
   vfio-pci + vfio_iommu_type1 for ``/dev/vfio/<group>``, virtio_pci + 9pnet_virtio + 9p for the
-  shares) with everything they depend on, in load order, and our ``/init``.
+  shares; xhci_pci, usbhid + hid_generic, usb_storage + sd_mod, ftdi_sio and evdev for USB
+  hotplug, shared/docs/real-kernel-devices.md section 3) with everything they depend on, in load
+  order, and our ``/init``.
 
 The result lives in ``/var/cache/devplugd-guest/<kernel-version>/`` (``vmlinux``, ``initrd.gz``,
 ``manifest.json``). It is built in a temporary sibling directory and renamed into place, under an
@@ -43,8 +45,13 @@ KERNEL_METAPACKAGE = "linux-image-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
 # What the guest loads, by the names modprobe knows; their dependencies come along.
 GUEST_MODULES = ("nvme", "vfio-pci", "vfio_iommu_type1", "virtio_pci", "9pnet_virtio", "9p")
+# Loaded only for ``run_in_guest(usb=True)`` (its qemu-xhci; the host root has no /lib/modules for
+# the guest kernel, so nothing autoloads); with their dependencies (xhci_hcd, usbcore, hid,
+# usbserial, scsi_mod...) they cost about 2 s of boot under TCG, which the other guests skip.
+USB_MODULES = ("xhci_pci", "usbhid", "hid_generic", "usb_storage", "sd_mod", "ftdi_sio", "evdev")
 # /init checks /sys/module/<name> for each before running the command: a failed insmod must not pass.
 REQUIRED_LOADED = tuple(module.replace("-", "_") for module in GUEST_MODULES)
+REQUIRED_USB = tuple(module.replace("-", "_") for module in USB_MODULES)
 NINEP_MSIZE = 512000  # the virtio transport's maximum in 6.1 (PAGE_SIZE * (128 - 3)); fewer round trips
 FORMAT = 2  # bump when the layout of the cache changes
 TOOL_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -153,7 +160,8 @@ def _candidate_version(package: str) -> str:
 
 def recipe_hash() -> str:
     """Changes whenever what we would put in the initramfs changes."""
-    recipe = json.dumps({"format": FORMAT, "modules": GUEST_MODULES, "init": init_script()}, sort_keys=True)
+    recipe = json.dumps({"format": FORMAT, "modules": GUEST_MODULES, "usb_modules": USB_MODULES,
+                         "init": init_script()}, sort_keys=True)
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
@@ -207,14 +215,17 @@ def build_image(package: KernelPackage, work: Path) -> dict[str, object]:
     (work / "vmlinux").write_bytes(uncompressed_kernel(bzimage))
     _run(["depmod", "-b", str(kernel_root), kernel_version])  # the .deb ships no modules.dep
     modules = module_load_order(kernel_root, kernel_version, GUEST_MODULES)
-    _assemble_initramfs(initramfs, busybox_deb, modules)
+    usb_modules = [module for module in module_load_order(kernel_root, kernel_version, USB_MODULES)
+                   if module not in modules]
+    _assemble_initramfs(initramfs, busybox_deb, modules, usb_modules)
     _write_cpio(initramfs, work / "initrd.gz")
     for scratch in (downloads, kernel_root, initramfs):
         shutil.rmtree(scratch)
     return {
         "kernel_package": package.name, "kernel_package_version": package.version,
         "kernel_version": kernel_version, "busybox_version": busybox_version,
-        "modules": [module.name for module in modules], "recipe": recipe_hash(),
+        "modules": [module.name for module in modules], "usb_modules": [module.name for module in usb_modules],
+        "recipe": recipe_hash(),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -307,13 +318,16 @@ def module_load_order(kernel_root: Path, kernel_version: str, modules: Sequence[
     return ordered
 
 
-def _assemble_initramfs(root: Path, busybox_deb: Path, modules: Sequence[Path]) -> None:
-    """busybox at /bin/busybox, the modules flat in /lib/modules with ``load-order``, /init, /dev/console."""
+def _assemble_initramfs(root: Path, busybox_deb: Path, modules: Sequence[Path], usb_modules: Sequence[Path] = ()) -> None:
+    """busybox at /bin/busybox, the modules flat in /lib/modules with ``load-order`` (and
+    ``load-order-usb``), /init, /dev/console."""
     for directory in ("bin", "dev", "proc", "sys", "run", "tmp", "lib/modules", "share", "newroot"):
         (root / directory).mkdir(parents=True, exist_ok=True)
     _extract_busybox(busybox_deb, root / "bin" / "busybox")
     names = [_copy_module(module, root / "lib" / "modules") for module in modules]
     (root / "lib" / "modules" / "load-order").write_text("".join(f"{name}\n" for name in names))
+    usb_names = [_copy_module(module, root / "lib" / "modules") for module in usb_modules]
+    (root / "lib" / "modules" / "load-order-usb").write_text("".join(f"{name}\n" for name in usb_names))
     init = root / "init"
     init.write_text(init_script())
     init.chmod(0o755)
@@ -385,7 +399,8 @@ def init_script() -> str:
     2. insmod the modules in dependency order; check the required ones are really loaded.
     3. mount ``host0`` (the share, read-write, cache=none: the host reads it after we stop) and
        source ``.guest/guest.env`` (GUEST_SHARE: where the share appears in the chroot;
-       GUEST_REPO: the checkout, put back over the tmpfs when it lives under /tmp or /var/tmp).
+       GUEST_REPO: the checkout, put back over the tmpfs when it lives under /tmp or /var/tmp;
+       GUEST_USB=1: insmod the USB modules too, and check them).
     4. mount ``hostroot`` (the host's /, read-only; cache=loose is correct because nothing on it
        changes during a run and makes imports several times faster), bind the guest's /proc
        /sys /dev /run over it and put tmpfs on /tmp and /var/tmp (the only places Python or a
@@ -396,7 +411,8 @@ def init_script() -> str:
        ``.guest/output.log`` and the console, its exit status into ``.guest/exit-status``.
     7. ``poweroff -f`` (QEMU runs with -no-reboot, so a panic ends it too).
     """
-    return _INIT_TEMPLATE.replace("@MSIZE@", str(NINEP_MSIZE)).replace("@REQUIRED@", " ".join(REQUIRED_LOADED))
+    return (_INIT_TEMPLATE.replace("@MSIZE@", str(NINEP_MSIZE)).replace("@REQUIRED@", " ".join(REQUIRED_LOADED))
+            .replace("@REQUIRED_USB@", " ".join(REQUIRED_USB)))
 
 
 _INIT_TEMPLATE = r"""#!/bin/busybox sh
@@ -429,6 +445,15 @@ NINEP="trans=virtio,version=9p2000.L,msize=@MSIZE@"
 mount -t 9p -o "$NINEP,cache=none" host0 /share || fail "cannot mount the host0 share"
 [ -f "$S/guest.env" ] || fail "no $S/guest.env in the share"
 . "$S/guest.env"
+if [ "${GUEST_USB:-0}" = 1 ]; then
+    while read -r module; do
+        insmod "/lib/modules/$module" || echo "devplugd-guest: insmod $module failed"
+    done </lib/modules/load-order-usb
+    for module in @REQUIRED_USB@; do
+        [ -d "/sys/module/$module" ] || fail "module $module is not loaded"
+    done
+    stamp usb-modules
+fi
 mount -t 9p -o "$NINEP,cache=loose,ro" hostroot "$R" || fail "cannot mount hostroot"
 # A checkout under /tmp or /var/tmp (a CI runner's) would vanish under the tmpfs mounts below:
 # hold on to it first, and put it back at its path afterwards.

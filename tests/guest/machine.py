@@ -29,7 +29,10 @@ recovery below it fails; at 2.5GT/s x1 it succeeds (shared/docs/real-kernel-devi
 Options: ``udevd=True`` starts a real ``systemd-udevd`` (the host's, Debian package ``udev``) in
 the chroot before the command, triggers and settles, so the daemon's ``--uevent-source auto``
 picks ``udev`` as on a real host; ``monitor=True`` gives QEMU a QMP socket and relays HMP
-commands the guest writes into the share (tests/guest/monitor.py: ``hmp``, ``inject_aer``).
+commands the guest writes into the share (tests/guest/monitor.py: ``hmp``, ``inject_aer``);
+``usb=True`` adds a ``qemu-xhci`` controller (qdev id ``xhci``, at ``USB_CONTROLLER_ADDRESS``)
+with nothing on it: the guest hot-plugs keyboards, FTDI serials and storage through the monitor
+(tests/guest/usb.py; shared/docs/real-kernel-devices.md section 3).
 
 Files QEMU and /init leave in ``share/.guest/``: ``console.log`` (ttyS0), ``qemu.log``
 (QEMU's stderr), ``output.log`` (the command's stdout+stderr), ``exit-status``, ``timing``,
@@ -52,6 +55,7 @@ from pathlib import Path
 
 from tests.guest.image import GuestImage, ensure_image
 from tests.guest.monitor import MonitorRelay
+from tests.guest.usb import CHARDEV_DIR, DISK_IMAGE, write_disk_image
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,6 +178,8 @@ class BridgedNvme:
 
 Port = SriovNvme | MultifunctionNvme | BridgedNvme
 MAX_PORTS = 24  # root ports go in slots 1..24 of pcie.0 (the 9p devices take free slots after them)
+USB_CONTROLLER_ID = "xhci"  # its bus is "xhci.0"; 4 QEMU ports, each both USB 2 (bus 1) and 3 (bus 2)
+USB_CONTROLLER_ADDRESS = "0000:00:19.0"  # slot 25, just past the root ports: the same with any topology
 
 
 def run_in_guest(
@@ -189,6 +195,7 @@ def run_in_guest(
     check: bool = True,
     udevd: bool = False,
     monitor: bool = False,
+    usb: bool = False,
     image: GuestImage | None = None,
 ) -> GuestResult:
     """Boot a guest with one NVMe PF per entry of ``pfs`` (its ``sriov_totalvfs``) and then the
@@ -197,6 +204,7 @@ def run_in_guest(
 
     ``udevd``: start systemd-udevd in the chroot first (trigger + settle; see ``udevd_prelude``).
     ``monitor``: relay HMP commands from the guest to QEMU (tests/guest/monitor.py).
+    ``usb``: an empty qemu-xhci controller to hot-plug USB devices on (needs ``monitor``).
 
     Raises GuestTimeout (QEMU killed), GuestBootFailed (no exit status) and, with ``check``,
     GuestCommandFailed for a non-zero exit; every message carries the console's tail and the
@@ -205,12 +213,14 @@ def run_in_guest(
     control = _prepare_control_dir(share)
     topology = [*(SriovNvme(count) for count in pfs), *ports]
     (control / "topology.json").write_text(json.dumps(topology_document(topology), indent=1) + "\n")
-    _write_run_script(control, command, cwd=cwd, env=_guest_env(share, env), udevd=udevd)
+    _write_run_script(control, command, cwd=cwd, env=_guest_env(share, env), udevd=udevd, usb=usb)
+    if usb:  # usb-storage's drive: QEMU opens it on the host at drive_add
+        write_disk_image(control / DISK_IMAGE)
     image = image or ensure_image()
     with tempfile.TemporaryDirectory(prefix="dpqmp", dir="/tmp") as sockets:  # a short path for sun_path
         qmp = Path(sockets) / "qmp.sock" if monitor else None
         argv = qemu_command(image, ports=topology, share=share, console=control / "console.log",
-                            memory_mb=memory_mb, qmp=qmp)
+                            memory_mb=memory_mb, qmp=qmp, usb=usb)
         (control / "qemu-command").write_text(shlex.join(argv) + "\n")
         relay = MonitorRelay(qmp, control) if qmp is not None else None
         wall, hung = _run_qemu(argv, control, timeout, relay)
@@ -241,9 +251,10 @@ def _prepare_control_dir(share: Path) -> Path:
     control = share / CONTROL_DIR
     control.mkdir(parents=True, exist_ok=True)
     for leftover in ("exit-status", "output.log", "console.log", "qemu.log", "timing", "init-failed",
-                     "udevd.log", "monitor.log", "topology.json"):
+                     "udevd.log", "monitor.log", "topology.json", DISK_IMAGE):
         (control / leftover).unlink(missing_ok=True)
-    shutil.rmtree(control / "req", ignore_errors=True)
+    for directory in ("req", CHARDEV_DIR):
+        shutil.rmtree(control / directory, ignore_errors=True)
     return control
 
 
@@ -252,11 +263,13 @@ def _guest_env(share: Path, env: Mapping[str, str] | None) -> dict[str, str]:
 
 
 def _write_run_script(control: Path, command: Sequence[str | os.PathLike[str]], *, cwd: Path,
-                      env: Mapping[str, str], udevd: bool = False) -> None:
-    """``guest.env`` for /init (outside the chroot) and ``run.sh`` (inside): udevd if asked, cwd, a
-    clean environment, argv, stdin from /dev/null (the console is not the command's input)."""
+                      env: Mapping[str, str], udevd: bool = False, usb: bool = False) -> None:
+    """``guest.env`` for /init (outside the chroot; ``usb``: load the USB modules) and ``run.sh``
+    (inside): udevd if asked, cwd, a clean environment, argv, stdin from /dev/null (the console
+    is not the command's input)."""
     share = env["GUEST_SHARE"]
-    (control / "guest.env").write_text(f"GUEST_SHARE={shlex.quote(share)}\nGUEST_REPO={shlex.quote(str(REPO_ROOT))}\n")
+    (control / "guest.env").write_text(f"GUEST_SHARE={shlex.quote(share)}\nGUEST_REPO={shlex.quote(str(REPO_ROOT))}\n"
+                                       + ("GUEST_USB=1\n" if usb else ""))
     if udevd:  # udevadm and libudev users refuse to work in a chroot without it
         env = {**env, "SYSTEMD_IGNORE_CHROOT": "1"}
     assignments = " ".join(shlex.quote(f"{key}={value}") for key, value in env.items())
@@ -353,10 +366,11 @@ def nvme_pf_args(index: int, max_vfs: int) -> list[str]:
 
 
 def qemu_command(image: GuestImage, *, pfs: Sequence[int] = (), ports: Sequence[Port] = (), share: Path,
-                 console: Path, memory_mb: int = 1024, qmp: Path | None = None) -> list[str]:
+                 console: Path, memory_mb: int = 1024, qmp: Path | None = None, usb: bool = False) -> list[str]:
     """The QEMU argv: TCG on two vCPUs (MTTCG runs them on two host threads), q35 with VT-d,
-    the PFs then the ports, the two 9p exports, no NIC, display or default devices; ttyS0 into
-    ``console``; with ``qmp``, a QMP server socket there (for MonitorRelay)."""
+    the PFs then the ports, with ``usb`` a qemu-xhci controller, the two 9p exports, no NIC,
+    display or default devices; ttyS0 into ``console``; with ``qmp``, a QMP server socket there
+    (for MonitorRelay)."""
     topology = [*(SriovNvme(count) for count in pfs), *ports]
     if len(topology) > MAX_PORTS:
         raise ValueError(f"at most {MAX_PORTS} root ports, not {len(topology)}")
@@ -371,6 +385,9 @@ def qemu_command(image: GuestImage, *, pfs: Sequence[int] = (), ports: Sequence[
         argv += ["-qmp", f"unix:{_qemu_escape(qmp)},server=on,wait=off"]
     for index, port in enumerate(topology):
         argv += port_args(index, port)
+    if usb:
+        slot = int(USB_CONTROLLER_ADDRESS.split(":")[2].split(".")[0], 16)
+        argv += ["-device", f"qemu-xhci,id={USB_CONTROLLER_ID},bus=pcie.0,addr={slot:x}.0"]
     argv += [
         "-virtfs", f"local,path={_qemu_escape(share)},mount_tag=host0,security_model=passthrough,id=fs0",
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap,id=fs1",
