@@ -54,6 +54,7 @@ from ._names import dns_subdomain_problem, dra_pool_part, extended_resource_name
 from ._notifier import LatestValue, Notifier, Subscriber
 from ._registry import HandlerLoadError, load_handlers, parser_table
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
+from ._udev import UdevEntry, device_properties, kernel_properties, read_udev_entry, set_by_udev
 from ._tree import (
     DEVICE_PLUGIN_ROAD,
     DRA_ROAD,
@@ -127,12 +128,15 @@ __all__ = [
     "SysfsError",
     "TreeDiff",
     "UEvent",
+    "UdevEntry",
     "UseDefault",
     "allocate_container",
     "default_allocation",
+    "device_properties",
     "dns_subdomain_problem",
     "dra_pool_part",
     "extended_resource_name_problem",
+    "kernel_properties",
     "link_name",
     "list_dir",
     "load_config",
@@ -142,5 +146,7 @@ __all__ = [
     "read_hex_id",
     "read_int",
     "read_text",
+    "read_udev_entry",
+    "set_by_udev",
     "tell_lifecycle",
 ]
