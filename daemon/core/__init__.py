@@ -54,7 +54,6 @@ from ._names import dns_subdomain_problem, dra_pool_part, extended_resource_name
 from ._notifier import LatestValue, Notifier, Subscriber
 from ._registry import HandlerLoadError, load_handlers, parser_table
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from ._udev import UdevEntry, device_properties, kernel_properties, read_udev_entry, set_by_udev
 from ._tree import (
     DEVICE_PLUGIN_ROAD,
     DRA_ROAD,
@@ -69,6 +68,7 @@ from ._tree import (
     ResourcePool,
     TreeDiff,
 )
+from ._udev import UdevEntry, device_properties, kernel_properties, read_udev_entry, set_by_udev
 
 __all__ = [
     "DEVICE_PLUGIN_ROAD",
