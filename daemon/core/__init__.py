@@ -50,7 +50,7 @@ from ._handler import (
     tell_lifecycle,
 )
 from ._jsonpath import ConfigError, ConfigObject
-from ._names import dns_subdomain_problem, dra_pool_part, extended_resource_name_problem
+from ._names import device_list_env_name, dns_subdomain_problem, dra_pool_part, extended_resource_name_problem
 from ._notifier import LatestValue, Notifier, Subscriber
 from ._registry import HandlerLoadError, load_handlers, parser_table
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
@@ -132,6 +132,7 @@ __all__ = [
     "UseDefault",
     "allocate_container",
     "default_allocation",
+    "device_list_env_name",
     "device_properties",
     "dns_subdomain_problem",
     "dra_pool_part",
