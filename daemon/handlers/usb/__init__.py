@@ -149,8 +149,8 @@ class UsbDeviceHandler:
     def _settled(known: UsbDevice | None, event: UEvent, devpath: str) -> bool:
         if event.action == "add" and event.devpath == devpath:
             return False  # enumerated just now: its interfaces are still to come
-        if event.action == "bind" and (event.devpath == devpath
-                                       or (event.devpath.rsplit("/", 1)[0] == devpath and ":" in event.devpath)):
+        parent, _, last = event.devpath.rpartition("/")
+        if event.action == "bind" and (event.devpath == devpath or (parent == devpath and ":" in last)):
             return True  # the device's, or one of its interfaces', driver is bound
         return known.settled if known is not None else False
 
