@@ -83,7 +83,7 @@ def read_udev_entry(data_dir: Path, name: str) -> UdevEntry:
     if "/" in name or name in (".", ".."):
         return NO_ENTRY
     try:
-        with open(data_dir / name, "rb") as entry:
+        with open(f"{data_dir}/{name}", "rb") as entry:
             data = entry.read(MAX_ENTRY_BYTES)
     except OSError:
         return NO_ENTRY  # not processed by udev (yet), or gone
@@ -103,14 +103,14 @@ def parse_uevent_file(data: bytes) -> dict[str, str]:
 def kernel_properties(sysfs_root: Path, devpath: str) -> dict[str, str]:
     """The kernel's properties of the device at ``devpath`` (``/devices/...``): its ``uevent``
     file, with ``SUBSYSTEM`` from its ``subsystem`` link and ``DEVPATH``; empty when it is gone."""
-    directory = sysfs_root / devpath.lstrip("/")
+    directory = f"{sysfs_root}/{devpath.lstrip('/')}"  # strings: a scan reads thousands of these
     try:
-        with open(directory / "uevent", "rb") as uevent:
+        with open(f"{directory}/uevent", "rb") as uevent:
             properties = parse_uevent_file(uevent.read(MAX_ENTRY_BYTES))
     except OSError:
         return {}
     try:
-        properties["SUBSYSTEM"] = os.path.basename(os.readlink(directory / "subsystem"))
+        properties["SUBSYSTEM"] = os.path.basename(os.readlink(f"{directory}/subsystem"))
     except OSError:
         pass
     properties["DEVPATH"] = devpath

@@ -49,7 +49,7 @@ class NodeRecord:
 
 
 def _devpath_of(context: HandlerContext, node: DeviceNode) -> str | None:
-    link = context.sysfs_root / "dev" / node.kind / f"{node.major}:{node.minor}"
+    link = f"{context.sysfs_root}/dev/{node.kind}/{node.major}:{node.minor}"
     try:
         target = os.readlink(link)
     except OSError:
@@ -59,7 +59,7 @@ def _devpath_of(context: HandlerContext, node: DeviceNode) -> str | None:
 
 
 def _numa_node(context: HandlerContext, node: DeviceNode) -> int | None:
-    path = context.sysfs_root / "dev" / node.kind / f"{node.major}:{node.minor}" / "device" / "numa_node"
+    path = f"{context.sysfs_root}/dev/{node.kind}/{node.major}:{node.minor}/device/numa_node"
     try:
         numa = read_int(path)
     except SysfsError as error:
