@@ -84,8 +84,9 @@ def _ancestors(context: HandlerContext, devpath: str, cache: AncestorCache) -> t
 def read_record(context: HandlerContext, relative: str, cache: AncestorCache | None = None,
                 event: UEvent | None = None) -> NodeRecord | None:
     """The node at ``relative`` below the dev root with what sysfs and udev say of it, or ``None``
-    when there is no node. ``event`` (one for this node) adds its properties on top: without a
-    readable database they are the only udev properties there are."""
+    when there is no node. ``event`` (one for this node) adds the properties that sysfs and the
+    database did not have: without a readable database (``/run/udev`` not mounted in a container)
+    they are the only udev properties there are."""
     node = stat_node(context.dev_root, relative)
     if node is None:
         return None
@@ -98,7 +99,9 @@ def read_record(context: HandlerContext, relative: str, cache: AncestorCache | N
         links = entry.links
         ancestors = _ancestors(context, devpath, {} if cache is None else cache)
     if event is not None:
-        properties.update((key, value) for key, value in event.properties.items() if key not in EVENT_ONLY_KEYS)
+        for key, value in event.properties.items():
+            if key not in EVENT_ONLY_KEYS:
+                properties.setdefault(key, value)  # sysfs and the database, read now, come first
         if not links and context.udev_data is not None and (devlinks := event.properties.get("DEVLINKS")):
             links = tuple(sorted(
                 link.removeprefix(DEV_PREFIX) for link in devlinks.split() if link.startswith(DEV_PREFIX)))
