@@ -70,6 +70,8 @@ class Scenario:
         self.process: subprocess.Popen[bytes] | None = None
         self.work = Path("/tmp/devplugd-guest")
         self.kubelet = FakeKubelet(self.work / "device-plugins")
+        self.uevent_source = UEVENT_SOURCE
+        self.log_name = "daemon.log"  # in the share
 
     def config(self) -> dict[str, Any]:
         """One pool per PF: the first by rootDevices (packed), the rest by class, first match wins."""
@@ -87,7 +89,7 @@ class Scenario:
         config = self.work / "config.json"
         config.write_text(json.dumps(self.config()))
         self.kubelet.start()
-        log = open(self.share / "daemon.log", "wb")
+        log = open(self.share / self.log_name, "wb")
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(str(self.work / "notify.sock"))
         spawned = time.monotonic()
@@ -97,7 +99,7 @@ class Scenario:
              "--plugins-registry-dir", str(self.work / "plugins_registry"),
              "--devinfo-dir", str(self.work / "devinfo"), "--control-socket", str(self.work / "control.sock"),
              "--cdi-dir", str(self.work / "cdi"), "--state-dir", str(self.work / "state"),
-             "--uevent-source", UEVENT_SOURCE, "--registration", "kubelet", "--log-level", "debug"],
+             "--uevent-source", self.uevent_source, "--registration", "kubelet", "--log-level", "debug"],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "NOTIFY_SOCKET": str(self.work / "notify.sock")})
         self.process = process
         try:
