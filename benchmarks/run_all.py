@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "idle": ("--seconds", "20"),
     "guest_bind": (),
     "guest_aer": (),
+    "guest_usb": (),
     "dra_slices": (),
     "dra_prepare": (),
     "dra_publish_4096": (),
