@@ -128,7 +128,7 @@ def main() -> None:
           "(imports over 9p, emulated CPU, both at once)")
     print("USB hotplug -> the kubelet stand-in's list (TCG guest: slower than real hardware)")
     for label, values in result["samples"].items():
-        print(latency_row(label, values, width=40))
+        print(latency_row(label, values, width=46))
 
 
 if __name__ == "__main__":
