@@ -66,7 +66,8 @@ def _inside(replugs: int, warmup: int, gap: float, share: Path) -> None:
                     arrivals: dict[str, float] = {}
                     for source, scenario in scenarios.items():
                         def shown(_: object, scenario: UsbScenario = scenario, source: str = source) -> bool:
-                            at = scenario.first_message("usb_serial", starts[source], lambda ids: (DEVICE_ID in ids) == present)
+                            at = scenario.first_message("usb_serial", starts[source], DEVICE_ID,
+                                                        "Healthy" if present else None)
                             if at is not None:
                                 arrivals[source] = at
                             return at is not None

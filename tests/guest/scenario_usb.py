@@ -15,7 +15,9 @@ the kubelet stand-in shows the spec's answer (``WANTED``) and holds it for QUIET
 5. the FTDI without a serial (port 4): ``port-1-4``; Allocate it;
 6. ``device_del`` of FTDI0042: gone from ``usb_serial`` and ``ftdi_tty``;
 7. FTDI0042 again on port 2: the same IDs back; Allocate it and its tty again;
-8. everything unplugged: every pool empty.
+8. FTDI0042 unplugged while the kubelet's checkpoint names it: listed Unhealthy (the vanished
+   rule); then the checkpoint without it: gone;
+9. everything unplugged: every pool empty.
 
 It asserts nothing: each step's views, the latency from ``device_add``/``device_del`` to the
 stand-in's first message that shows the change (its arrival stamps), the Allocate answers with the
@@ -108,12 +110,12 @@ class UsbScenario(Scenario):
                 return matched
         return None
 
-    def first_message(self, pool: str, start: int, predicate: Callable[[set[str]], bool]) -> float | None:
+    def first_message(self, pool: str, start: int, device: str, health: str | None) -> float | None:
         """Arrival (stand-in's ``time.monotonic()``) of the first message of ``pool`` from index
-        ``start`` whose device IDs satisfy ``predicate``."""
+        ``start`` that lists ``device`` with ``health`` (None: without ``device``)."""
         state = self.kubelet.state(self.resources[pool])
         return next((at for message, at in zip(state.messages[start:], state.received_at[start:])
-                     if predicate(set(message))), None)
+                     if (message[device][0] if device in message else None) == health), None)
 
     def allocate(self, pool: str, device: str) -> dict[str, Any]:
         """Allocate ``device`` alone: its specs and envs, with what sysfs shows at that moment."""
@@ -154,10 +156,10 @@ def run(share: Path) -> None:
     wanted: dict[str, View] = {pool: {} for pool in POOLS}
 
     def step(name: str, action: Callable[[], Reply | None], change: Callable[[], dict[str, View]],
-             listed: tuple[str, str, bool] | None = None) -> dict[str, Any]:
+             listed: tuple[str, str, str | None] | None = None) -> dict[str, Any]:
         """Act, wait for the stand-in to show ``wanted`` updated with ``change()`` (called after
         the action: a tty's name is known once the device is bound); ``listed``: (pool, device
-        ID, present) whose first message showing it gives the latency."""
+        ID, its health or None for absent): the first message showing that gives the latency."""
         starts = scenario.message_counts()
         events_from = len(listener.snapshot())
         started = time.monotonic()
@@ -171,8 +173,8 @@ def run(share: Path) -> None:
             "allocations": {}, "daemon_alive": scenario.process is not None and scenario.process.poll() is None,
         }
         if listed is not None:
-            pool, device, present = listed
-            at = scenario.first_message(pool, starts[pool], lambda ids: (device in ids) == present)
+            pool, device, health = listed
+            at = scenario.first_message(pool, starts[pool], device, health)
             record["latency_ms"] = None if at is None else round((at - origin) * 1000, 1)
             kernel_first = next((e.received for e in listener.snapshot()[events_from:] if e.source == "kernel"), None)
             record["kernel_uevent_ms"] = None if kernel_first is None else round((kernel_first - origin) * 1000, 1)
@@ -210,7 +212,7 @@ def run(share: Path) -> None:
             report["ready_s"] = scenario.ready_s
             step("nothing plugged", lambda: None, dict)
             record = step("keyboard KBD0001 on port 1", plugged(KEYBOARD),
-                          lambda: {"usb_kbd": {"serial-KBD0001": "Healthy"}}, ("usb_kbd", "serial-KBD0001", True))
+                          lambda: {"usb_kbd": {"serial-KBD0001": "Healthy"}}, ("usb_kbd", "serial-KBD0001", "Healthy"))
             allocate(record, "usb_kbd", "serial-KBD0001", KEYBOARD)
 
             def ftdi_plugged() -> dict[str, View]:
@@ -219,7 +221,7 @@ def run(share: Path) -> None:
                         "ftdi_tty": {tty: "Healthy"} if tty else {}}
 
             def ftdi_step(name: str) -> None:
-                record = step(name, plugged(FTDI), ftdi_plugged, ("usb_serial", "serial-FTDI0042", True))
+                record = step(name, plugged(FTDI), ftdi_plugged, ("usb_serial", "serial-FTDI0042", "Healthy"))
                 record["tty"] = tty_of(FTDI)
                 allocate(record, "usb_serial", "serial-FTDI0042", FTDI)
                 if record["tty"]:
@@ -228,7 +230,7 @@ def run(share: Path) -> None:
 
             ftdi_step("FTDI FTDI0042 on port 2")
             record = step("storage STOR4242 on port 3", plugged(DISK),
-                          lambda: {"usb_disk": {"serial-STOR4242": "Healthy"}}, ("usb_disk", "serial-STOR4242", True))
+                          lambda: {"usb_disk": {"serial-STOR4242": "Healthy"}}, ("usb_disk", "serial-STOR4242", "Healthy"))
             disk = usb_sysfs_name(DISK)
             try:  # the partition comes after the SCSI scan, more than a second after the plug
                 wait_until(lambda: any(node.endswith("1") for node in device_nodes(disk))
@@ -239,13 +241,24 @@ def run(share: Path) -> None:
             record["links"] = by_id_links()
             record = step("FTDI without a serial on port 4", plugged(FTDI_NO_SERIAL),
                           lambda: {"usb_serial": {**wanted["usb_serial"], "port-1-4": "Healthy"}},
-                          ("usb_serial", "port-1-4", True))
+                          ("usb_serial", "port-1-4", "Healthy"))
             allocate(record, "usb_serial", "port-1-4", FTDI_NO_SERIAL)
             step("device_del FTDI0042", unplugged(FTDI),
-                 lambda: {"usb_serial": {"port-1-4": "Healthy"}, "ftdi_tty": {}}, ("usb_serial", "serial-FTDI0042", False))
+                 lambda: {"usb_serial": {"port-1-4": "Healthy"}, "ftdi_tty": {}}, ("usb_serial", "serial-FTDI0042", None))
             ftdi_step("FTDI0042 again on port 2")
-            step("everything unplugged", unplugged(KEYBOARD, FTDI, DISK, FTDI_NO_SERIAL),
-                 lambda: {pool: {} for pool in POOLS}, ("usb_serial", "port-1-4", False))
+            held = {scenario.resources["usb_serial"]: ["serial-FTDI0042"]}
+
+            def unplug_held() -> Reply:
+                scenario.kubelet.write_checkpoint(held)  # a pod holds it (it was allocated above)
+                return unplugged(FTDI)()
+
+            step("FTDI0042 unplugged while a pod holds it", unplug_held,
+                 lambda: {"usb_serial": {"serial-FTDI0042": "Unhealthy", "port-1-4": "Healthy"}, "ftdi_tty": {}},
+                 ("usb_serial", "serial-FTDI0042", "Unhealthy"))
+            step("the pod went away", lambda: scenario.kubelet.write_checkpoint({}),
+                 lambda: {"usb_serial": {"port-1-4": "Healthy"}})
+            step("everything unplugged", unplugged(KEYBOARD, DISK, FTDI_NO_SERIAL),
+                 lambda: {pool: {} for pool in POOLS}, ("usb_serial", "port-1-4", None))
         finally:
             report["daemon_alive"] = daemon.poll() is None
             report["overflows"] = listener.overflows
