@@ -2,18 +2,21 @@
 
 One boot of a QEMU guest (TCG) with an empty qemu-xhci, a real systemd-udevd and QEMU's monitor;
 tests/guest/scenario_usb.py runs devplugd (``--uevent-source udev``) and the kubelet stand-in
-there, hot-plugs a keyboard (KBD0001, port 1), an FTDI (FTDI0042, port 2), a storage stick
-(STOR4242, port 3) and an FTDI without a serial (port 4), unplugs and replugs FTDI0042, then
-unplugs everything. What must hold (usb-spec, issue 13; shared/docs/real-kernel-devices.md
+there with an FTDI (FTDI0042, port 2) plugged before it starts, hot-plugs a keyboard (KBD0001,
+port 1), a storage stick (STOR4242, port 3) and an FTDI without a serial (port 4), unplugs and
+replugs FTDI0042, unplugs it while the checkpoint holds it, then unplugs everything. What must hold (usb-spec, issue 13; shared/docs/real-kernel-devices.md
 sections 3 and 4):
 
 - IDs from the serial, else the port path, never bus/devnum: ``usb_kbd`` = {serial-KBD0001},
-  ``usb_serial`` = {serial-FTDI0042, port-1-4}, ``usb_disk`` = {serial-STOR4242}; the same ID
-  after ``device_del`` and a re-add on the same port; removal empties the pools;
+  ``usb_serial`` = {serial-FTDI0042, port-1-4}, ``usb_disk`` = {serial-STOR4242}; FTDI0042 is
+  plugged before the daemon starts (found by its scan, the udev selector on udev's database),
+  the rest hot-plugged (found through udev's events); the same ID after ``device_del`` and a
+  re-add on the same port; removal empties the pools;
 - Allocate of a USB device: its own ``/dev/bus/usb/BBB/DDD`` then every node below its
   interfaces, as sysfs has them at that moment (the kbd's input/eventN and hidrawN, the FTDI's
   ttyUSBn, the disk's sda, sda1 and bsg node), host path = container path, permissions rw; the
-  ``USBDEVICE_*`` env and its ``_INFO`` JSON;
+  ``USBDEVICE_*`` env and its ``_INFO`` JSON; the CDI spec's device for the stick comes to list
+  the same nodes, partition included;
 - the ``ftdi_tty`` devNode pool, selected by udev's ID_VENDOR_ID/ID_SERIAL_SHORT, holds exactly
   the FTDI0042 tty, mounted at its ``/dev/serial/by-id`` link;
 - unplugged while the kubelet's checkpoint holds it, a USB device stays listed Unhealthy until
@@ -37,7 +40,7 @@ from tests.guest import guest_python, run_in_guest
 ENV = "USBDEVICE_DEVPLUGD_TEST_"
 BY_ID = "/dev/serial/by-id/usb-QEMU_QEMU_USB_SERIAL_FTDI0042-if00-port0"
 STEPS = [
-    "nothing plugged", "keyboard KBD0001 on port 1", "FTDI FTDI0042 on port 2", "storage STOR4242 on port 3",
+    "started with FTDI0042 plugged", "keyboard KBD0001 on port 1", "storage STOR4242 on port 3",
     "FTDI without a serial on port 4", "device_del FTDI0042", "FTDI0042 again on port 2",
     "FTDI0042 unplugged while a pod holds it", "the pod went away", "everything unplugged",
 ]
@@ -53,20 +56,18 @@ def expected_views(tty: dict[str, str | None]) -> dict[str, dict[str, dict[str, 
         return {name: "Healthy"} if name else {"(no tty in sysfs)": "Healthy"}
 
     empty: dict[str, str] = {}
+    ftdi0042 = {"serial-FTDI0042": "Healthy"}
     return {
-        STEPS[0]: {"usb_kbd": empty, "usb_serial": empty, "usb_disk": empty, "ftdi_tty": empty},
-        STEPS[1]: {"usb_kbd": KBD, "usb_serial": empty, "usb_disk": empty, "ftdi_tty": empty},
-        STEPS[2]: {"usb_kbd": KBD, "usb_serial": {"serial-FTDI0042": "Healthy"}, "usb_disk": empty,
-                   "ftdi_tty": ftdi(STEPS[2])},
-        STEPS[3]: {"usb_kbd": KBD, "usb_serial": {"serial-FTDI0042": "Healthy"}, "usb_disk": DISK,
-                   "ftdi_tty": ftdi(STEPS[2])},
-        STEPS[4]: {"usb_kbd": KBD, "usb_serial": SERIALS, "usb_disk": DISK, "ftdi_tty": ftdi(STEPS[2])},
-        STEPS[5]: {"usb_kbd": KBD, "usb_serial": {"port-1-4": "Healthy"}, "usb_disk": DISK, "ftdi_tty": empty},
-        STEPS[6]: {"usb_kbd": KBD, "usb_serial": SERIALS, "usb_disk": DISK, "ftdi_tty": ftdi(STEPS[6])},
-        STEPS[7]: {"usb_kbd": KBD, "usb_serial": {"serial-FTDI0042": "Unhealthy", "port-1-4": "Healthy"},
+        STEPS[0]: {"usb_kbd": empty, "usb_serial": ftdi0042, "usb_disk": empty, "ftdi_tty": ftdi(STEPS[0])},
+        STEPS[1]: {"usb_kbd": KBD, "usb_serial": ftdi0042, "usb_disk": empty, "ftdi_tty": ftdi(STEPS[0])},
+        STEPS[2]: {"usb_kbd": KBD, "usb_serial": ftdi0042, "usb_disk": DISK, "ftdi_tty": ftdi(STEPS[0])},
+        STEPS[3]: {"usb_kbd": KBD, "usb_serial": SERIALS, "usb_disk": DISK, "ftdi_tty": ftdi(STEPS[0])},
+        STEPS[4]: {"usb_kbd": KBD, "usb_serial": {"port-1-4": "Healthy"}, "usb_disk": DISK, "ftdi_tty": empty},
+        STEPS[5]: {"usb_kbd": KBD, "usb_serial": SERIALS, "usb_disk": DISK, "ftdi_tty": ftdi(STEPS[5])},
+        STEPS[6]: {"usb_kbd": KBD, "usb_serial": {"serial-FTDI0042": "Unhealthy", "port-1-4": "Healthy"},
                    "usb_disk": DISK, "ftdi_tty": empty},
-        STEPS[8]: {"usb_kbd": KBD, "usb_serial": {"port-1-4": "Healthy"}, "usb_disk": DISK, "ftdi_tty": empty},
-        STEPS[9]: {"usb_kbd": empty, "usb_serial": empty, "usb_disk": empty, "ftdi_tty": empty},
+        STEPS[7]: {"usb_kbd": KBD, "usb_serial": {"port-1-4": "Healthy"}, "usb_disk": DISK, "ftdi_tty": empty},
+        STEPS[8]: {"usb_kbd": empty, "usb_serial": empty, "usb_disk": empty, "ftdi_tty": empty},
     }
 
 
@@ -120,14 +121,15 @@ def test_usb_devices_hotplugged_on_a_real_kernel_are_offered_with_stable_ids_and
         assert step["settled"] and step["seen"] == expected[name], (
             f"{name}: expected {expected[name]}, saw {step['seen']}\n{json.dumps(step, indent=1)[:4000]}\n{context}")
 
-    # The harness did its part: udev's link for the FTDI's tty is there.
-    plugged = steps[STEPS[2]]
-    assert plugged["tty"] and plugged["links"].get(BY_ID) == f"/dev/{plugged['tty']}", plugged["links"]
+    # The harness did its part: FTDI0042 was bound and udev settled, with its by-id link, before
+    # the daemon started (so the daemon's scan, not an event, must find it).
+    before = result["before_start"]
+    assert before["settle"] == 0 and before["tty"] and before["links"].get(BY_ID) == f"/dev/{before['tty']}", before
 
     kbd = steps[STEPS[1]]["allocations"]["usb_kbd serial-KBD0001"]
     check_usb_allocation(kbd, "usb_kbd", "serial-KBD0001", bus=1, vendor="0627", product="0001", serial="KBD0001",
                          port="1-1", shapes=[r"/dev/input/event\d+", r"/dev/hidraw\d+"])
-    for name in (STEPS[2], STEPS[6]):
+    for name in (STEPS[0], STEPS[5]):
         step = steps[name]
         ftdi = step["allocations"]["usb_serial serial-FTDI0042"]
         hosts = check_usb_allocation(ftdi, "usb_serial", "serial-FTDI0042", bus=1, vendor="0403", product="6001",
@@ -136,15 +138,17 @@ def test_usb_devices_hotplugged_on_a_real_kernel_are_offered_with_stable_ids_and
         tty = step["allocations"][f"ftdi_tty {step['tty']}"]
         assert tty["specs"] == [{"host": f"/dev/{step['tty']}", "container": BY_ID, "permissions": "rw"}], tty
     first, again = (steps[name]["allocations"]["usb_serial serial-FTDI0042"]["sysfs"]["devnum"]
-                    for name in (STEPS[2], STEPS[6]))
+                    for name in (STEPS[0], STEPS[5]))
     assert first != again, "the replug enumerated anew (devnum grows), and the ID stayed"
-    disk_step = steps[STEPS[3]]
+    disk_step = steps[STEPS[2]]
     assert "partition_error" not in disk_step, disk_step
     disk = disk_step["allocations"]["usb_disk serial-STOR4242"]
     hosts = check_usb_allocation(disk, "usb_disk", "serial-STOR4242", bus=2, vendor="46f4", product="0001",
                                  serial="STOR4242", port="2-3", shapes=[r"/dev/sd[a-z]", r"/dev/sd[a-z]1"])
     assert {"/dev/sda", "/dev/sda1"} <= set(hosts), disk
-    nameless = steps[STEPS[4]]["allocations"]["usb_serial port-1-4"]
+    # CDI: one device for the stick, with all its nodes once the partition's events settled
+    assert list(disk_step["cdi"]["devices"].values()) == [disk["sysfs"]["nodes"]], disk_step["cdi"]
+    nameless = steps[STEPS[3]]["allocations"]["usb_serial port-1-4"]
     check_usb_allocation(nameless, "usb_serial", "port-1-4", bus=1, vendor="0403", product="6001", serial=None,
                          port="1-4", shapes=[r"/dev/ttyUSB\d+"])
 

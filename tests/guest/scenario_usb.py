@@ -8,16 +8,17 @@ The daemon runs with ``--uevent-source udev`` and four pools (the README's usbDe
 serial FTDI0042, mounted at their ``/dev/serial/by-id`` link). In order, each step waiting until
 the kubelet stand-in shows the spec's answer (``WANTED``) and holds it for QUIET s:
 
-1. nothing plugged: every pool empty (root hubs are never offered);
+1. the daemon starts with FTDI0042 (port 2) already plugged and udev settled: its scan offers
+   it, and ftdi_tty's selector matches on udev's database; Allocate both; the other pools empty;
 2. the keyboard (KBD0001, port 1): Allocate it;
-3. the FTDI FTDI0042 (port 2): Allocate it and its tty;
-4. the storage STOR4242 (port 3, bus 2): Allocate it once ``sda1`` is there (>1 s after);
-5. the FTDI without a serial (port 4): ``port-1-4``; Allocate it;
-6. ``device_del`` of FTDI0042: gone from ``usb_serial`` and ``ftdi_tty``;
-7. FTDI0042 again on port 2: the same IDs back; Allocate it and its tty again;
-8. FTDI0042 unplugged while the kubelet's checkpoint names it: listed Unhealthy (the vanished
+3. the storage STOR4242 (port 3, bus 2): Allocate it once ``sda1`` is there (>1 s after), and
+   the CDI spec must come to list the same nodes;
+4. the FTDI without a serial (port 4): ``port-1-4``; Allocate it;
+5. ``device_del`` of FTDI0042: gone from ``usb_serial`` and ``ftdi_tty``;
+6. FTDI0042 again on port 2 (now through events): the same IDs back; Allocate both again;
+7. FTDI0042 unplugged while the kubelet's checkpoint names it: listed Unhealthy (the vanished
    rule); then the checkpoint without it: gone;
-9. everything unplugged: every pool empty.
+8. everything unplugged: every pool empty.
 
 It asserts nothing: each step's views, the latency from ``device_add``/``device_del`` to the
 stand-in's first message that shows the change (its arrival stamps), the Allocate answers with the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +144,28 @@ def by_id_links() -> dict[str, str]:
     return links
 
 
+def cdi_nodes(scenario: UsbScenario, pool: str) -> dict[str, list[str]]:
+    """The pool's CDI spec: device name -> its deviceNodes' host paths."""
+    found: dict[str, list[str]] = {}
+    for spec in (scenario.work / "cdi").glob(f"*-{pool}.json"):
+        try:
+            document = json.loads(spec.read_text())
+        except (OSError, ValueError):
+            continue  # being replaced: the next look sees the new one
+        for device in document.get("devices", []):
+            nodes = device.get("containerEdits", {}).get("deviceNodes", [])
+            found[device["name"]] = sorted(node.get("hostPath", node["path"]) for node in nodes)
+    return found
+
+
+def wait_cdi(scenario: UsbScenario, pool: str, nodes: list[str], timeout: float = 10.0) -> dict[str, Any]:
+    """The pool's CDI spec once some device in it has exactly ``nodes`` (or after ``timeout``)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout and nodes not in cdi_nodes(scenario, pool).values():
+        time.sleep(0.05)
+    return {"devices": cdi_nodes(scenario, pool), "waited_s": round(time.monotonic() - started, 2)}
+
+
 def uevent_summary(events: list[Uevent], origin: float) -> list[str]:
     """USB-related uevents after ``origin``: source, ms after it, action, subsystem, devpath tail."""
     return [f"{event.source} +{(event.received - origin) * 1000:.0f}ms {event.action} {event.subsystem} "
@@ -207,62 +231,71 @@ def run(share: Path) -> None:
             return replies[0]
         return action
 
-    with UeventListener(KERNEL | UDEV) as listener, scenario.daemon() as daemon:
-        try:
-            report["ready_s"] = scenario.ready_s
-            step("nothing plugged", lambda: None, dict)
-            record = step("keyboard KBD0001 on port 1", plugged(KEYBOARD),
-                          lambda: {"usb_kbd": {"serial-KBD0001": "Healthy"}}, ("usb_kbd", "serial-KBD0001", "Healthy"))
-            allocate(record, "usb_kbd", "serial-KBD0001", KEYBOARD)
+    def ftdi_plugged() -> dict[str, View]:
+        tty = tty_of(FTDI)
+        return {"usb_serial": {**wanted["usb_serial"], "serial-FTDI0042": "Healthy"},
+                "ftdi_tty": {tty: "Healthy"} if tty else {}}
 
-            def ftdi_plugged() -> dict[str, View]:
-                tty = tty_of(FTDI)
-                return {"usb_serial": {**wanted["usb_serial"], "serial-FTDI0042": "Healthy"},
-                        "ftdi_tty": {tty: "Healthy"} if tty else {}}
+    def ftdi_checks(record: dict[str, Any]) -> None:
+        record["tty"] = tty_of(FTDI)
+        allocate(record, "usb_serial", "serial-FTDI0042", FTDI)
+        if record["tty"]:
+            allocate(record, "ftdi_tty", record["tty"], None)
+        record["links"] = by_id_links()
 
-            def ftdi_step(name: str) -> None:
-                record = step(name, plugged(FTDI), ftdi_plugged, ("usb_serial", "serial-FTDI0042", "Healthy"))
-                record["tty"] = tty_of(FTDI)
-                allocate(record, "usb_serial", "serial-FTDI0042", FTDI)
-                if record["tty"]:
-                    allocate(record, "ftdi_tty", record["tty"], None)
+    with UeventListener(KERNEL | UDEV) as listener:
+        # FTDI0042 is there before the daemon starts: its scan must find it, and the ftdi_tty
+        # selector must match on udev's database (the properties no kernel uevent file has).
+        plug(FTDI)
+        wait_bound(FTDI)
+        settle = subprocess.run(["udevadm", "settle", "-t", "30"], capture_output=True, text=True, check=False)
+        report["before_start"] = {"tty": tty_of(FTDI), "settle": settle.returncode, "links": by_id_links()}
+        with scenario.daemon() as daemon:
+            try:
+                report["ready_s"] = scenario.ready_s
+                ftdi_checks(step("started with FTDI0042 plugged", lambda: None, ftdi_plugged))
+                record = step("keyboard KBD0001 on port 1", plugged(KEYBOARD),
+                              lambda: {"usb_kbd": {"serial-KBD0001": "Healthy"}},
+                              ("usb_kbd", "serial-KBD0001", "Healthy"))
+                allocate(record, "usb_kbd", "serial-KBD0001", KEYBOARD)
+                record = step("storage STOR4242 on port 3", plugged(DISK),
+                              lambda: {"usb_disk": {"serial-STOR4242": "Healthy"}},
+                              ("usb_disk", "serial-STOR4242", "Healthy"))
+                disk = usb_sysfs_name(DISK)
+                try:  # the partition comes after the SCSI scan, more than a second after the plug
+                    wait_until(lambda: any(node.endswith("1") for node in device_nodes(disk))
+                               and Path("/dev/sda1").exists(), STEP_TIMEOUT, "sda1")
+                except TimeoutError as error:
+                    record["partition_error"] = str(error)
+                allocate(record, "usb_disk", "serial-STOR4242", DISK)
+                record["cdi"] = wait_cdi(scenario, "usb_disk", device_nodes(disk))
                 record["links"] = by_id_links()
+                record = step("FTDI without a serial on port 4", plugged(FTDI_NO_SERIAL),
+                              lambda: {"usb_serial": {**wanted["usb_serial"], "port-1-4": "Healthy"}},
+                              ("usb_serial", "port-1-4", "Healthy"))
+                allocate(record, "usb_serial", "port-1-4", FTDI_NO_SERIAL)
+                step("device_del FTDI0042", unplugged(FTDI),
+                     lambda: {"usb_serial": {"port-1-4": "Healthy"}, "ftdi_tty": {}},
+                     ("usb_serial", "serial-FTDI0042", None))
+                ftdi_checks(step("FTDI0042 again on port 2", plugged(FTDI), ftdi_plugged,
+                                 ("usb_serial", "serial-FTDI0042", "Healthy")))
+                held = {scenario.resources["usb_serial"]: ["serial-FTDI0042"]}
 
-            ftdi_step("FTDI FTDI0042 on port 2")
-            record = step("storage STOR4242 on port 3", plugged(DISK),
-                          lambda: {"usb_disk": {"serial-STOR4242": "Healthy"}}, ("usb_disk", "serial-STOR4242", "Healthy"))
-            disk = usb_sysfs_name(DISK)
-            try:  # the partition comes after the SCSI scan, more than a second after the plug
-                wait_until(lambda: any(node.endswith("1") for node in device_nodes(disk))
-                           and Path("/dev/sda1").exists(), STEP_TIMEOUT, "sda1")
-            except TimeoutError as error:
-                record["partition_error"] = str(error)
-            allocate(record, "usb_disk", "serial-STOR4242", DISK)
-            record["links"] = by_id_links()
-            record = step("FTDI without a serial on port 4", plugged(FTDI_NO_SERIAL),
-                          lambda: {"usb_serial": {**wanted["usb_serial"], "port-1-4": "Healthy"}},
-                          ("usb_serial", "port-1-4", "Healthy"))
-            allocate(record, "usb_serial", "port-1-4", FTDI_NO_SERIAL)
-            step("device_del FTDI0042", unplugged(FTDI),
-                 lambda: {"usb_serial": {"port-1-4": "Healthy"}, "ftdi_tty": {}}, ("usb_serial", "serial-FTDI0042", None))
-            ftdi_step("FTDI0042 again on port 2")
-            held = {scenario.resources["usb_serial"]: ["serial-FTDI0042"]}
+                def unplug_held() -> Reply:
+                    scenario.kubelet.write_checkpoint(held)  # a pod holds it (it was allocated above)
+                    return unplugged(FTDI)()
 
-            def unplug_held() -> Reply:
-                scenario.kubelet.write_checkpoint(held)  # a pod holds it (it was allocated above)
-                return unplugged(FTDI)()
-
-            step("FTDI0042 unplugged while a pod holds it", unplug_held,
-                 lambda: {"usb_serial": {"serial-FTDI0042": "Unhealthy", "port-1-4": "Healthy"}, "ftdi_tty": {}},
-                 ("usb_serial", "serial-FTDI0042", "Unhealthy"))
-            step("the pod went away", lambda: scenario.kubelet.write_checkpoint({}),
-                 lambda: {"usb_serial": {"port-1-4": "Healthy"}})
-            step("everything unplugged", unplugged(KEYBOARD, DISK, FTDI_NO_SERIAL),
-                 lambda: {pool: {} for pool in POOLS}, ("usb_serial", "port-1-4", None))
-        finally:
-            report["daemon_alive"] = daemon.poll() is None
-            report["overflows"] = listener.overflows
-            (share / "result.json").write_text(json.dumps(report, indent=1))
+                step("FTDI0042 unplugged while a pod holds it", unplug_held,
+                     lambda: {"usb_serial": {"serial-FTDI0042": "Unhealthy", "port-1-4": "Healthy"}, "ftdi_tty": {}},
+                     ("usb_serial", "serial-FTDI0042", "Unhealthy"))
+                step("the pod went away", lambda: scenario.kubelet.write_checkpoint({}),
+                     lambda: {"usb_serial": {"port-1-4": "Healthy"}})
+                step("everything unplugged", unplugged(KEYBOARD, DISK, FTDI_NO_SERIAL),
+                     lambda: {pool: {} for pool in POOLS}, ("usb_serial", "port-1-4", None))
+            finally:
+                report["daemon_alive"] = daemon.poll() is None
+                report["overflows"] = listener.overflows
+                (share / "result.json").write_text(json.dumps(report, indent=1))
     report["daemon_exit"] = daemon.returncode
     (share / "result.json").write_text(json.dumps(report, indent=1))
     print("guest usb: done", flush=True)
