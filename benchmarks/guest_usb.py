@@ -18,7 +18,7 @@ Everything runs under TCG (no KVM here): the guest's CPU is emulated, many times
 host's, so these figures are an upper bound of what real hardware gives, not a comparison with
 the host benchmarks. Prints p50/p90/p99/max, never asserts.
 
-    .venv/bin/python -m benchmarks.guest_usb [--replugs 8] [--warmup 1] [--gap 0.3]
+    .venv/bin/python -m benchmarks.guest_usb [--replugs 8] [--warmup 1] [--gap 0.3] [--sources udev kernel]
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ DEVICE_ID = "serial-FTDI0042"
 SOURCES = ("udev", "kernel")
 
 
-def _inside(replugs: int, warmup: int, gap: float, share: Path) -> None:
+def _inside(replugs: int, warmup: int, gap: float, share: Path, sources: list[str]) -> None:
     """In the guest: both daemons and stand-ins, a uevent listener, and the replugs."""
     from tests.guest.listener import KERNEL, UDEV, UeventListener
     from tests.guest.scenario_usb import UsbScenario
     from tests.guest.usb import FTDI, plug, unplug, usb_sysfs_name, wait_bound, wait_gone
 
     scenarios = {source: UsbScenario(share, uevent_source=source, name=f"bench-{source}", pools=POOL)
-                 for source in SOURCES}
+                 for source in sources}
     daemons = {source: scenario.daemon() for source, scenario in scenarios.items()}
     samples: dict[str, list[float]] = {}
 
@@ -52,7 +52,7 @@ def _inside(replugs: int, warmup: int, gap: float, share: Path) -> None:
 
     name = usb_sysfs_name(FTDI)
     device_path, interface_path = f"/usb{FTDI.bus}/{name}", f"/usb{FTDI.bus}/{name}/{name}:1.0"
-    with ThreadPoolExecutor(2) as pool:  # both import and start at once: READY costs tens of seconds each
+    with ThreadPoolExecutor(len(scenarios)) as pool:  # both import and start at once: READY costs tens of seconds each
         list(pool.map(lambda manager: manager.__enter__(), daemons.values()))
     try:
         with UeventListener(KERNEL | UDEV) as listener:
@@ -77,9 +77,9 @@ def _inside(replugs: int, warmup: int, gap: float, share: Path) -> None:
                         continue
                     action = "device_add" if present else "device_del"
                     events = listener.snapshot()[events_from:]
-                    for source in SOURCES:
+                    for source in sources:
                         sample(f"{action} -> {source} daemon's list", arrivals[source] - reply.requested_at)
-                    for source in SOURCES:  # offered at the interface's bind; dropped from the first remove on
+                    for source in sources:  # offered at the interface's bind; dropped from the first remove on
                         if present:
                             label = "interface bind uevent"
                             stamps = [e.received for e in events if e.source == source and e.action == "bind"
@@ -103,10 +103,12 @@ def main() -> None:
     parser.add_argument("--replugs", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--gap", type=float, default=0.3, help="seconds between plug and unplug")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES),
+                        help="the daemons to run (one alone: no CPU shared with the other)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.inside:
-        _inside(arguments.replugs, arguments.warmup, arguments.gap, Path(os.environ["GUEST_SHARE"]))
+        _inside(arguments.replugs, arguments.warmup, arguments.gap, Path(os.environ["GUEST_SHARE"]), arguments.sources)
         return
 
     from benchmarks._common import machine_line
@@ -115,12 +117,13 @@ def main() -> None:
 
     print(machine_line())
     print(f"guest_usb: {arguments.replugs} replugs of an FTDI usb-serial in a QEMU TCG guest (emulated CPU), "
-          "a udev-source and a kernel-source daemon side by side")
+          f"daemons side by side: {', '.join(arguments.sources)} source")
     with tempfile.TemporaryDirectory(prefix="dpgu", dir="/tmp") as directory:
         share = Path(directory)
         started = time.monotonic()
         run_in_guest(guest_python("-m", "benchmarks.guest_usb", "--inside", "--replugs", str(arguments.replugs),
-                                  "--warmup", str(arguments.warmup), "--gap", str(arguments.gap)),
+                                  "--warmup", str(arguments.warmup), "--gap", str(arguments.gap),
+                                  "--sources", *arguments.sources),
                      share=share, udevd=True, monitor=True, usb=True,
                      timeout=180 + (arguments.replugs + arguments.warmup) * 15)
         result = json.loads((share / "result.json").read_text())
