@@ -18,7 +18,9 @@ sections 3 and 4):
   ``USBDEVICE_*`` env and its ``_INFO`` JSON; the CDI spec's device for the stick comes to list
   the same nodes, partition included;
 - the ``ftdi_tty`` devNode pool, selected by udev's ID_VENDOR_ID/ID_SERIAL_SHORT, holds exactly
-  the FTDI0042 tty, mounted at its ``/dev/serial/by-id`` link;
+  the FTDI0042 tty, mounted at its ``/dev/serial/by-id`` link; ``port4_tty``, selected by
+  ``parentProperties`` (the interface's DEVTYPE, an ancestor's DRIVER, the usb_device's udev
+  ID_PATH on port 4), holds the serial-less FTDI's tty at its own path;
 - unplugged while the kubelet's checkpoint holds it, a USB device stays listed Unhealthy until
   the checkpoint lets it go (the vanished-device rule);
 - the device without a serial is offered as ``port-1-4`` "and a warning that names the device
@@ -57,7 +59,7 @@ def expected_views(tty: dict[str, str | None]) -> dict[str, dict[str, dict[str, 
 
     empty: dict[str, str] = {}
     ftdi0042 = {"serial-FTDI0042": "Healthy"}
-    return {
+    views = {
         STEPS[0]: {"usb_kbd": empty, "usb_serial": ftdi0042, "usb_disk": empty, "ftdi_tty": ftdi(STEPS[0])},
         STEPS[1]: {"usb_kbd": KBD, "usb_serial": ftdi0042, "usb_disk": empty, "ftdi_tty": ftdi(STEPS[0])},
         STEPS[2]: {"usb_kbd": KBD, "usb_serial": ftdi0042, "usb_disk": DISK, "ftdi_tty": ftdi(STEPS[0])},
@@ -69,6 +71,10 @@ def expected_views(tty: dict[str, str | None]) -> dict[str, dict[str, dict[str, 
         STEPS[7]: {"usb_kbd": KBD, "usb_serial": {"port-1-4": "Healthy"}, "usb_disk": DISK, "ftdi_tty": empty},
         STEPS[8]: {"usb_kbd": empty, "usb_serial": empty, "usb_disk": empty, "ftdi_tty": empty},
     }
+    # port4_tty: the serial-less FTDI's tty, from its plug to the end
+    port4 = {name: "Healthy"} if (name := tty[STEPS[3]]) else {"(no tty in sysfs)": "Healthy"}
+    return {step: {**view, "port4_tty": port4 if 3 <= index <= 7 else empty}
+            for index, (step, view) in enumerate(views.items())}
 
 
 def check_usb_allocation(answer: dict[str, Any], pool: str, device: str, *, bus: int, vendor: str,
@@ -149,8 +155,12 @@ def test_usb_devices_hotplugged_on_a_real_kernel_are_offered_with_stable_ids_and
     # CDI: one device for the stick, with all its nodes once the partition's events settled
     assert list(disk_step["cdi"]["devices"].values()) == [disk["sysfs"]["nodes"]], disk_step["cdi"]
     nameless = steps[STEPS[3]]["allocations"]["usb_serial port-1-4"]
-    check_usb_allocation(nameless, "usb_serial", "port-1-4", bus=1, vendor="0403", product="6001", serial=None,
-                         port="1-4", shapes=[r"/dev/ttyUSB\d+"])
+    hosts = check_usb_allocation(nameless, "usb_serial", "port-1-4", bus=1, vendor="0403", product="6001",
+                                 serial=None, port="1-4", shapes=[r"/dev/ttyUSB\d+"])
+    tty4 = steps[STEPS[3]]["tty"]
+    assert f"/dev/{tty4}" in hosts, nameless
+    by_port = steps[STEPS[3]]["allocations"][f"port4_tty {tty4}"]  # containerPath "kernel": the node's own path
+    assert by_port["specs"] == [{"host": f"/dev/{tty4}", "container": f"/dev/{tty4}", "permissions": "rw"}], by_port
 
     for name, (latency, _) in latencies.items():
         assert latency is not None, f"{name}: the stand-in never got a message showing the change"

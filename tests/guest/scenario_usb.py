@@ -4,8 +4,9 @@ and a udev-selected devNode pool against real USB hotplug and a real systemd-ude
 The guest has an empty qemu-xhci (``run_in_guest(usb=True)``), a real udevd and QEMU's monitor.
 The daemon runs with ``--uevent-source udev`` and four pools (the README's usbDevice and
 ``selectors.udev`` examples): ``usb_kbd`` (vendor 0627), ``usb_serial`` (0403:6001),
-``usb_disk`` (driver usb-storage) and ``ftdi_tty`` (tty nodes whose udev properties say FTDI with
-serial FTDI0042, mounted at their ``/dev/serial/by-id`` link). In order, each step waiting until
+``usb_disk`` (driver usb-storage), ``ftdi_tty`` (tty nodes whose udev properties say FTDI with
+serial FTDI0042, mounted at their ``/dev/serial/by-id`` link) and ``port4_tty`` (the tty whose
+ancestors are an FTDI interface on the device udev's ID_PATH puts on port 4: parentProperties). In order, each step waiting until
 the kubelet stand-in shows the spec's answer (``WANTED``) and holds it for QUIET s:
 
 1. the daemon starts with FTDI0042 (port 2) already plugged and udev settled: its scan offers
@@ -66,6 +67,14 @@ POOLS: dict[str, dict[str, Any]] = {
     "ftdi_tty": {"deviceType": "devNode", "containerPath": "by-id",
                  "selectors": {"udev": {"subsystems": ["tty"],
                                         "properties": {"ID_VENDOR_ID": "0403", "ID_SERIAL_SHORT": "FTDI0042"}}}},
+    # The tty on port 4 (the serial-less FTDI: no earlier pool takes it, first match wins), by its
+    # ancestors, each key from a different one: the interface's kernel uevent (DEVTYPE), the
+    # usb-serial port's (DRIVER), udev's database entry of the usb_device (ID_PATH; the file is
+    # c189:N, the usb_device having a node).
+    "port4_tty": {"deviceType": "devNode",
+                  "selectors": {"udev": {"subsystems": ["tty"],
+                                         "parentProperties": {"DEVTYPE": "usb_interface", "DRIVER": "ftdi_sio",
+                                                              "ID_PATH": "pci-*-usb-0:4"}}}},
 }
 View = dict[str, str]  # device ID -> health
 
@@ -275,10 +284,17 @@ def run(share: Path) -> None:
                 allocate(record, "usb_disk", "serial-STOR4242", DISK)
                 record["cdi"] = wait_cdi(scenario, "usb_disk", device_nodes(disk))
                 record["links"] = by_id_links()
-                record = step("FTDI without a serial on port 4", plugged(FTDI_NO_SERIAL),
-                              lambda: {"usb_serial": {**wanted["usb_serial"], "port-1-4": "Healthy"}},
+                def nameless_plugged() -> dict[str, View]:
+                    tty = tty_of(FTDI_NO_SERIAL)
+                    return {"usb_serial": {**wanted["usb_serial"], "port-1-4": "Healthy"},
+                            "port4_tty": {tty: "Healthy"} if tty else {}}
+
+                record = step("FTDI without a serial on port 4", plugged(FTDI_NO_SERIAL), nameless_plugged,
                               ("usb_serial", "port-1-4", "Healthy"))
+                record["tty"] = tty_of(FTDI_NO_SERIAL)
                 allocate(record, "usb_serial", "port-1-4", FTDI_NO_SERIAL)
+                if record["tty"]:
+                    allocate(record, "port4_tty", record["tty"], None)
                 step("device_del FTDI0042", unplugged(FTDI),
                      lambda: {"usb_serial": {"port-1-4": "Healthy"}, "ftdi_tty": {}},
                      ("usb_serial", "serial-FTDI0042", None))
@@ -291,7 +307,8 @@ def run(share: Path) -> None:
                     return unplugged(FTDI)()
 
                 step("FTDI0042 unplugged while a pod holds it", unplug_held,
-                     lambda: {"usb_serial": {"serial-FTDI0042": "Unhealthy", "port-1-4": "Healthy"}, "ftdi_tty": {}},
+                     lambda: {"usb_serial": {"serial-FTDI0042": "Unhealthy", "port-1-4": "Healthy"},
+                              "ftdi_tty": {}},
                      ("usb_serial", "serial-FTDI0042", "Unhealthy"))
                 step("the pod went away", lambda: scenario.kubelet.write_checkpoint({}),
                      lambda: {"usb_serial": {"port-1-4": "Healthy"}})
