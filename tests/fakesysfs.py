@@ -89,9 +89,12 @@ class FakeHost:
         class_code: str = "020000",
         driver: str | None = "i40e",
         numa_node: int = 0,
-        bridge: str = "0000:00:02.0",
+        bridge: str | None = "0000:00:02.0",
     ) -> Path:
-        directory = self.sys / "devices" / "pci0000:00" / bridge / address
+        """A PCI function behind ``bridge`` (``None``: on the root bus itself, as an xHCI
+        controller at ``0000:00:14.0`` is)."""
+        root_bus = self.sys / "devices" / "pci0000:00"
+        directory = root_bus / bridge / address if bridge is not None else root_bus / address
         directory.mkdir(parents=True, exist_ok=True)
         _write(directory / "vendor", f"0x{vendor}\n")
         _write(directory / "device", f"0x{device}\n")
