@@ -1,0 +1,294 @@
+"""devNode pools selected by udev properties (unit tests): a fake host with an FTDI serial
+adapter, a keyboard and a storage stick behind an xHCI controller, udev's database and links as
+systemd-udevd writes them (tests/usbtree.py)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from daemon.core import ConfigFileError, DeviceSpec
+from tests.devnodes import DevNodes
+from tests.fakesysfs import FakeHost
+from tests.usbtree import Step, UsbTree, ftdi, keyboard, storage
+
+TTY_BY_ID = "/dev/serial/by-id/usb-QEMU_QEMU_USB_SERIAL_FTDI0042-if00-port0"
+TTY_BY_PATH = "/dev/serial/by-path/pci-0000:00:14.0-usb-0:2:1.0-port0"
+
+
+@pytest.fixture
+def tree(host: FakeHost) -> UsbTree:
+    usb = UsbTree(host)
+    usb.attach(keyboard(), "1")  # bus 1 devnum 2: /dev/bus/usb/001/002, input/event0, hidraw0
+    usb.attach(ftdi(), "2")  # bus 1 devnum 3: /dev/bus/usb/001/003, ttyUSB0
+    usb.attach(storage(), "3")  # bus 2 devnum 2: /dev/bus/usb/002/002, bsg/0:0:0:0, sda, sda1
+    return usb
+
+
+@pytest.fixture
+def nodes(host: FakeHost, tree: UsbTree) -> DevNodes:
+    return DevNodes(host, tree.udev_data)
+
+
+@pytest.fixture
+def kernel_only(host: FakeHost, tree: UsbTree) -> DevNodes:
+    """The same host seen without udev (``--uevent-source kernel``): the database is there but
+    the handler must not read it."""
+    return DevNodes(host)
+
+
+def udev_pool(name: str = "p", **udev: Any) -> dict[str, Any]:
+    return {"resourceName": name, "selectors": {"udev": udev}}
+
+
+ALL_USB_NODES = {"bus_usb_001_001", "bus_usb_001_002", "bus_usb_001_003", "bus_usb_002_001", "bus_usb_002_002"}
+
+
+@pytest.mark.parametrize(
+    ("udev", "ids"),
+    [
+        ({"subsystems": ["tty"]}, {"ttyUSB0"}),
+        ({"subsystems": ["block"]}, {"sda", "sda1"}),
+        ({"subsystems": ["input"]}, {"input_event0"}),
+        ({"subsystems": ["hidraw", "bsg"]}, {"hidraw0", "bsg_0:0:0:0"}),
+        ({"subsystems": ["usb"]}, ALL_USB_NODES),
+        ({"subsystems": ["video4linux"]}, set()),
+        ({"properties": {"ID_VENDOR_ID": "0403", "ID_SERIAL_SHORT": "FTDI*"}}, {"ttyUSB0", "bus_usb_001_003"}),
+        ({"subsystems": ["tty"], "properties": {"ID_VENDOR_ID": "0403", "ID_SERIAL_SHORT": "FTDI*"}}, {"ttyUSB0"}),
+        ({"properties": {"ID_VENDOR_ID": "0403", "ID_SERIAL_SHORT": "KBD*"}}, set()),
+        ({"properties": {"ID_SERIAL": "QEMU_QEMU_*"}, "subsystems": ["tty", "input", "block"]},
+         {"ttyUSB0", "input_event0", "sda", "sda1"}),
+        ({"properties": {"DEVTYPE": "partition"}}, {"sda1"}),
+        ({"properties": {"ID_PART_ENTRY_NUMBER": "1"}}, {"sda1"}),
+        ({"properties": {"ID_INPUT_KEYBOARD": "1"}, "subsystems": ["input"]}, {"input_event0"}),
+        ({"properties": {"ID_VENDOR_ID": "04?3"}, "subsystems": ["tty"]}, {"ttyUSB0"}),
+        ({"properties": {"ID_VENDOR_ID": "[0-9]403"}, "subsystems": ["tty"]}, {"ttyUSB0"}),
+        ({"properties": {"ID_MODEL": "qemu_usb_serial"}}, set()),  # glob values are case-sensitive
+        ({"properties": {"NO_SUCH_KEY": "*"}}, set()),
+        ({"parentProperties": {"DRIVER": "ftdi_sio"}}, {"ttyUSB0"}),
+        ({"parentProperties": {"DRIVER": "usbhid"}}, {"input_event0", "hidraw0"}),
+        ({"parentProperties": {"DRIVER": "usb-storage", "DEVTYPE": "scsi_device"}}, {"bsg_0:0:0:0", "sda", "sda1"}),
+        ({"parentProperties": {"DEVTYPE": "disk"}}, {"sda1"}),  # sda is not its own ancestor
+        ({"parentProperties": {"SUBSYSTEM": "usb-serial"}}, {"ttyUSB0"}),
+        ({"parentProperties": {"ID_VENDOR_ID": "46f4"}}, {"bsg_0:0:0:0", "sda", "sda1"}),
+        ({"parentProperties": {"HID_UNIQ": "KBD0001"}, "subsystems": ["hidraw"]}, {"hidraw0"}),
+        ({"parentProperties": {"DRIVER": "xhci_hcd", "PCI_CLASS": "C0330"}, "subsystems": ["tty", "block"]},
+         {"ttyUSB0", "sda", "sda1"}),
+        ({"properties": {"ID_VENDOR_ID": "0403"}, "parentProperties": {"DRIVER": "usbhid"}}, set()),
+    ],
+)
+def test_udev_selectors_pick_nodes_by_subsystem_own_and_ancestor_properties(
+        nodes: DevNodes, udev: dict[str, Any], ids: set[str]) -> None:
+    assert nodes.ids(udev_pool(**udev)) == {"p": ids}
+
+
+@pytest.mark.parametrize(
+    ("selectors", "ids"),
+    [
+        ({"paths": ["/dev/tty*"], "udev": {"properties": {"ID_VENDOR_ID": "0403"}}}, {"ttyUSB0"}),
+        ({"paths": ["/dev/sd*"], "udev": {"subsystems": ["tty"]}}, set()),
+        ({"paths": ["/dev/sd*"], "udev": {"subsystems": ["block"], "properties": {"DEVTYPE": "disk"}}}, {"sda"}),
+        ([{"paths": ["/dev/hidraw*"]}, {"udev": {"subsystems": ["tty"]}}], {"hidraw0", "ttyUSB0"}),
+    ],
+)
+def test_paths_and_udev_in_one_selector_must_both_match(nodes: DevNodes, selectors: Any, ids: set[str]) -> None:
+    assert nodes.ids({"resourceName": "p", "selectors": selectors}) == {"p": ids}
+
+
+def test_an_earlier_pool_keeps_a_node_a_udev_pool_also_selects(nodes: DevNodes) -> None:
+    ids = nodes.ids({"resourceName": "ttys", "selectors": {"paths": ["/dev/ttyUSB*"]}},
+                    udev_pool("ftdi", properties={"ID_VENDOR_ID": "0403"}))
+    assert ids == {"ttys": {"ttyUSB0"}, "ftdi": {"bus_usb_001_003"}}
+
+
+@pytest.mark.parametrize(
+    ("udev", "ids"),
+    [
+        ({"properties": {"ID_VENDOR_ID": "0403"}}, set()),
+        ({"parentProperties": {"ID_VENDOR_ID": "46f4"}}, set()),
+        ({"subsystems": ["tty"], "properties": {"ID_SERIAL_SHORT": "*"}}, set()),
+        ({"parentProperties": {"DRIVER": "ftdi_sio"}}, {"ttyUSB0"}),
+        ({"properties": {"DEVNAME": "ttyUSB*", "MAJOR": "188"}}, {"ttyUSB0"}),
+        ({"properties": {"DEVTYPE": "partition"}}, {"sda1"}),
+        ({"parentProperties": {"PRODUCT": "403/6001/600", "INTERFACE": "255/255/255"}}, {"ttyUSB0"}),
+        ({"subsystems": ["input"]}, {"input_event0"}),
+    ],
+)
+def test_with_kernel_properties_only_udev_keys_never_match(
+        kernel_only: DevNodes, udev: dict[str, Any], ids: set[str]) -> None:
+    assert kernel_only.ids(udev_pool(**udev)) == {"p": ids}
+
+
+@pytest.mark.parametrize(
+    ("container_path", "expected"),
+    [
+        (None, "/dev/ttyUSB0"),
+        ("kernel", "/dev/ttyUSB0"),
+        ("by-id", TTY_BY_ID),
+        ("by-path", TTY_BY_PATH),
+    ],
+)
+def test_container_path_is_the_kernel_node_or_its_udev_link(
+        nodes: DevNodes, container_path: str | None, expected: str) -> None:
+    entry = udev_pool(subsystems=["tty"])
+    if container_path is not None:
+        entry["containerPath"] = container_path
+    devices = nodes.build(entry)["p"]
+    assert devices["ttyUSB0"].specs == (DeviceSpec(expected, "/dev/ttyUSB0", "rw"),)
+
+
+def test_by_id_takes_the_first_link_in_sorted_order(nodes: DevNodes, tree: UsbTree, host: FakeHost) -> None:
+    """A SATA disk has several by-id links (``ata-…``, ``wwn-…``); the first in sorted order wins."""
+    database = tree.udev_data / "b8:0"
+    database.write_text("S:disk/by-id/wwn-0x5000c500a1b2c3d4\n" + database.read_text().replace(
+        "S:disk/by-path", "S:disk/by-id/ata-QEMU_HARDDISK_STOR4242\nS:disk/by-path"))
+    for link in ("disk/by-id/wwn-0x5000c500a1b2c3d4", "disk/by-id/ata-QEMU_HARDDISK_STOR4242"):
+        (host.dev / link).symlink_to("../../sda")
+    devices = nodes.build(udev_pool(subsystems=["block"], containerPath="by-id"))["p"]
+    assert devices["sda"].specs == (DeviceSpec("/dev/disk/by-id/ata-QEMU_HARDDISK_STOR4242", "/dev/sda", "rw"),)
+    assert devices["sda1"].specs == (
+        DeviceSpec("/dev/disk/by-id/usb-QEMU_QEMU_HARDDISK_STOR4242-0:0-part1", "/dev/sda1", "rw"),)
+
+
+def test_by_id_without_a_link_keeps_the_kernel_path_and_warns(
+        nodes: DevNodes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    devices = nodes.build(udev_pool(subsystems=["hidraw"], containerPath="by-id"))["p"]
+    assert devices["hidraw0"].specs == (DeviceSpec("/dev/hidraw0", "/dev/hidraw0", "rw"),)
+    assert any("hidraw0" in message for message in caplog.messages), caplog.messages
+
+
+def test_by_id_with_kernel_properties_only_keeps_the_kernel_path(kernel_only: DevNodes) -> None:
+    devices = kernel_only.build(udev_pool(subsystems=["tty"], containerPath="by-id"))["p"]
+    assert devices["ttyUSB0"].specs == (DeviceSpec("/dev/ttyUSB0", "/dev/ttyUSB0", "rw"),)
+
+
+def test_udev_pool_ids_are_the_kernel_node_names_with_count(nodes: DevNodes) -> None:
+    devices = nodes.build(udev_pool(subsystems=["tty"], containerPath="by-id") | {"count": 2})["p"]
+    assert set(devices) == {"ttyUSB0-0", "ttyUSB0-1"}
+    assert {info.specs[0].container_path for info in devices.values()} == {TTY_BY_ID}
+
+
+# --- hotplug: folded uevents give what a fresh scan gives -----------------------------------------
+
+
+def test_udev_events_bring_a_matching_node_in_and_take_it_out(host: FakeHost) -> None:
+    usb = UsbTree(host)
+    nodes = DevNodes(host, usb.udev_data)
+    entry = udev_pool(subsystems=["tty"], properties={"ID_VENDOR_ID": "0403"}, containerPath="by-id")
+    facts = nodes.handler.scan()
+    plug = usb.plug(ftdi(), "2")
+    for step in plug.steps:
+        usb.apply(step)
+        if step.sends:
+            facts = nodes.handler.fold(facts, step.event(udev=True))
+    (configured,) = nodes.configure(entry)
+    folded = nodes.handler.build(facts, [configured])[configured.resource]
+    assert folded == nodes.handler.build(nodes.handler.scan(), [configured])[configured.resource]
+    assert folded["ttyUSB0"].specs == (DeviceSpec(TTY_BY_ID, "/dev/ttyUSB0", "rw"),)
+    for step in usb.unplug("1-2"):
+        usb.apply(step)
+        if step.sends:
+            facts = nodes.handler.fold(facts, step.event(udev=True))
+    assert nodes.handler.build(facts, [configured])[configured.resource] == {}
+    assert not (host.dev / "ttyUSB0").exists() and not (usb.udev_data / "c188:0").exists()
+
+
+def test_a_change_event_with_new_properties_reselects_the_node(nodes: DevNodes, tree: UsbTree) -> None:
+    """After an event the node's properties are the event's own: a udev ``change`` that drops
+    ID_MM_CANDIDATE takes the tty out of a pool selecting it."""
+    entry = udev_pool(subsystems=["tty"], properties={"ID_MM_CANDIDATE": "1"})
+    (configured,) = nodes.configure(entry)
+    facts = nodes.handler.scan()
+    assert set(nodes.handler.build(facts, [configured])[configured.resource]) == {"ttyUSB0"}
+    tty = next(k for k in tree.plugs["1-2"].kobjs if k.subsystem == "tty")
+    del tty.udev["ID_MM_CANDIDATE"]
+    change = tree.apply(Step("change", tty))
+    facts = nodes.handler.fold(facts, change.event(udev=True))
+    assert nodes.handler.build(facts, [configured])[configured.resource] == {}
+
+
+# --- bad input: refused selectors, broken database entries, odd bytes ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("selectors", "json_path"),
+    [
+        ({}, "$.resourceList[0].selectors"),
+        ({"udev": {}}, "$.resourceList[0].selectors.udev"),
+        ({"udev": {"subsystems": []}}, "$.resourceList[0].selectors.udev"),
+        ({"udev": {"properties": {}}}, "$.resourceList[0].selectors.udev"),
+        ({"udev": {"parentProperties": {}}}, "$.resourceList[0].selectors.udev"),
+        ({"udev": {"subsystems": [], "properties": {}, "parentProperties": {}}}, "$.resourceList[0].selectors.udev"),
+        ({"udev": []}, "$.resourceList[0].selectors.udev"),
+        ({"udev": {"subsystems": "tty"}}, "$.resourceList[0].selectors.udev.subsystems"),
+        ({"udev": {"properties": {"ID_VENDOR_ID": 403}}}, "$.resourceList[0].selectors.udev.properties.ID_VENDOR_ID"),
+        ({"udev": {"properties": ["ID_VENDOR_ID"]}}, "$.resourceList[0].selectors.udev.properties"),
+        ([{"udev": {"subsystems": ["tty"]}}, {"udev": {}}], "$.resourceList[0].selectors[1].udev"),
+        ({"paths": ["/dev/tty*"], "udev": {}}, "$.resourceList[0].selectors.udev"),
+    ],
+)
+def test_refused_udev_selectors_name_the_json_path(nodes: DevNodes, selectors: Any, json_path: str) -> None:
+    with pytest.raises(ConfigFileError) as caught:
+        nodes.configure({"resourceName": "p", "selectors": selectors})
+    assert caught.value.json_path.startswith(json_path), caught.value.json_path
+    assert json_path in str(caught.value)
+
+
+def test_an_unknown_container_path_is_refused(nodes: DevNodes) -> None:
+    with pytest.raises(ConfigFileError) as caught:
+        nodes.configure(udev_pool(subsystems=["tty"], containerPath="by-uuid"))
+    assert caught.value.json_path == "$.resourceList[0].containerPath"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"S:serial/by-id/usb-QEMU_QEMU_USB_SER",  # cut off mid-line, no E: lines at all
+        b"\xff\xfe\x00\x01garbage\n\x00\x00\x00",
+        b"E\nE:\nE:=0403\nE:NO_EQUALS_SIGN\nX:unknown\n:\n\n",
+        bytes(range(256)) * 8,
+    ],
+)
+def test_a_broken_database_entry_is_skipped_not_fatal(
+        nodes: DevNodes, tree: UsbTree, content: bytes) -> None:
+    (tree.udev_data / "c188:0").write_bytes(content)
+    ids = nodes.ids(udev_pool("by_vendor", properties={"ID_VENDOR_ID": "0403"}, subsystems=["tty"]),
+                    udev_pool("ttys", subsystems=["tty"]), udev_pool("disks", properties={"ID_SERIAL_SHORT": "STOR*"}))
+    assert ids == {"by_vendor": set(), "ttys": {"ttyUSB0"}, "disks": {"sda", "sda1"}}
+
+
+def test_valid_lines_of_a_partly_broken_entry_still_count(nodes: DevNodes, tree: UsbTree) -> None:
+    (tree.udev_data / "c188:0").write_bytes(b"S:serial/by-id/x\nE:=nothing\n\xff\xff\nE:ID_VENDOR_ID=0403\n"
+                                            b"E:ID_FOO=a=b\nL:notanumber\nI:\nV:1\nE:ID_CUT_OF")
+    assert nodes.ids(udev_pool(properties={"ID_VENDOR_ID": "0403", "ID_FOO": "a=b"}, subsystems=["tty"])) == {
+        "p": {"ttyUSB0"}}
+
+
+def test_a_database_entry_that_is_a_directory_is_skipped(nodes: DevNodes, tree: UsbTree) -> None:
+    (tree.udev_data / "c188:0").unlink()
+    (tree.udev_data / "c188:0").mkdir()
+    assert nodes.ids(udev_pool(subsystems=["tty"])) == {"p": {"ttyUSB0"}}
+
+
+def test_odd_bytes_in_values_neither_crash_nor_spoil_other_keys(nodes: DevNodes, tree: UsbTree) -> None:
+    entry = tree.udev_data / "c188:0"
+    entry.write_bytes(entry.read_bytes() + b"E:ID_MODEL_FROM_DATABASE=caf\xc3\xa9 \xff\xfe\x01\x7f\n"
+                      b"E:ID_WEIRD=\x1b[31m\tred\r\n")
+    ids = nodes.ids(udev_pool("serial", properties={"ID_SERIAL_SHORT": "FTDI0042"}, subsystems=["tty"]),
+                    udev_pool("model", properties={"ID_MODEL_FROM_DATABASE": "caf*"}, subsystems=["tty"]))
+    assert ids == {"serial": {"ttyUSB0"}, "model": {"ttyUSB0"}}
+
+
+def test_an_event_with_odd_bytes_is_folded_without_a_crash(nodes: DevNodes, tree: UsbTree) -> None:
+    entry = udev_pool(subsystems=["tty"], properties={"ID_SERIAL_SHORT": "FTDI0042"})
+    (configured,) = nodes.configure(entry)
+    facts = nodes.handler.scan()
+    tty = next(k for k in tree.plugs["1-2"].kobjs if k.subsystem == "tty")
+    tty.udev["ID_MODEL_FROM_DATABASE"] = "caf\u00e9 \x1b[31m\x01\x7f \u202e\ufffd"
+    change = tree.apply(Step("change", tty))
+    facts = nodes.handler.fold(facts, change.event(udev=True))
+    assert set(nodes.handler.build(facts, [configured])[configured.resource]) == {"ttyUSB0"}
