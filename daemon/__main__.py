@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                           "needed), auto (udev when udevd runs, else kernel), none, or unix:PATH (a datagram "
                           "socket the daemon binds, fed in the kernel's wire format; for tests) "
                           "(default: %(default)s)")
+    run.add_argument("--udev-data-dir", type=Path, default=DEFAULTS.udev_data_dir,
+                     help="udev's database, read for device properties and symlinks when the uevents come "
+                          "from udev (or unix:PATH) (default: %(default)s)")
     run.add_argument("--control-socket", type=Path, default=DEFAULTS.control_socket,
                      help="the host API's unix socket (default: %(default)s)")
     run.add_argument("--control-group", default=None,
@@ -142,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cdi_dir=arguments.cdi_dir,
         state_dir=arguments.state_dir,
         uevent_source=arguments.uevent_source,
+        udev_data_dir=arguments.udev_data_dir,
         control_socket=arguments.control_socket,
         control_group=arguments.control_group,
         cdi_in_allocate=arguments.cdi,

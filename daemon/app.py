@@ -53,7 +53,7 @@ from daemon.service import ServiceManager, StatusReporter
 from daemon.settings import Settings, dra_names_problem
 from daemon.sources.inotify import InotifySource
 from daemon.sources.links import LinkSource
-from daemon.sources.uevents import make_uevent_source
+from daemon.sources.uevents import carries_udev_properties, make_uevent_source
 from daemon.supervise import Backoff, keep_running
 
 log = logging.getLogger("devplugd")
@@ -73,6 +73,7 @@ def handler_context(settings: Settings, host_changes: HostChanges | None = None)
         proc_root=settings.proc_root,
         devinfo_dir=settings.devinfo_dir,
         host_changes=host_changes or HostChanges(),
+        udev_data=settings.udev_data_dir if carries_udev_properties(settings.uevent_source) else None,
     )
 
 

@@ -28,6 +28,7 @@ class Settings:
     cdi_dir: Path = Path("/var/run/cdi")
     state_dir: Path = Path("/var/lib/devplugd")
     uevent_source: str = "auto"
+    udev_data_dir: Path = Path("/run/udev/data")
     control_socket: Path = Path("/run/devplugd/control.sock")
     control_group: str | None = None
     cdi_in_allocate: bool = False

@@ -50,7 +50,7 @@ from ._handler import (
     tell_lifecycle,
 )
 from ._jsonpath import ConfigError, ConfigObject
-from ._names import dns_subdomain_problem, dra_pool_part, extended_resource_name_problem
+from ._names import device_list_env_name, dns_subdomain_problem, dra_pool_part, extended_resource_name_problem
 from ._notifier import LatestValue, Notifier, Subscriber
 from ._registry import HandlerLoadError, load_handlers, parser_table
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
@@ -68,6 +68,7 @@ from ._tree import (
     ResourcePool,
     TreeDiff,
 )
+from ._udev import UdevEntry, device_properties, kernel_properties, read_udev_entry, set_by_udev
 
 __all__ = [
     "DEVICE_PLUGIN_ROAD",
@@ -127,12 +128,16 @@ __all__ = [
     "SysfsError",
     "TreeDiff",
     "UEvent",
+    "UdevEntry",
     "UseDefault",
     "allocate_container",
     "default_allocation",
+    "device_list_env_name",
+    "device_properties",
     "dns_subdomain_problem",
     "dra_pool_part",
     "extended_resource_name_problem",
+    "kernel_properties",
     "link_name",
     "list_dir",
     "load_config",
@@ -142,5 +147,7 @@ __all__ = [
     "read_hex_id",
     "read_int",
     "read_text",
+    "read_udev_entry",
+    "set_by_udev",
     "tell_lifecycle",
 ]

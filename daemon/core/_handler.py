@@ -62,6 +62,9 @@ class HandlerContext:
     proc_root: Path
     devinfo_dir: Path
     host_changes: HostChanges = field(default_factory=HostChanges)
+    # udev's database (``/run/udev/data``) when the uevents come from udev; ``None``: the kernel's
+    # own properties only (no udevd, or ``--uevent-source kernel``)
+    udev_data: Path | None = None
 
 
 DeviceMap = Mapping[str, DeviceInfo]

@@ -64,3 +64,10 @@ def resource_name_problem(resource_name: str) -> str | None:
     if not _SRIOV_RESOURCE_NAME.fullmatch(resource_name):
         return f"{resource_name!r} may contain only letters, digits, '_' and '-'"
     return None
+
+
+def device_list_env_name(family: str, resource_prefix: str, resource_name: str) -> str:
+    """``<FAMILY>_<prefix>_<name>`` (``PCIDEVICE_INTEL_COM_SRIOV``), the variable naming a
+    container's devices: only ``.`` replaced by ``_``, upper-cased (dashes kept), as the SR-IOV
+    plugin spells ``PCIDEVICE_*``."""
+    return f"{family}_{resource_prefix}_{resource_name}".replace(".", "_").upper()

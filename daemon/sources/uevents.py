@@ -92,6 +92,15 @@ def make_uevent_source(spec: str, subsystems: frozenset[str], *, udev_control: P
     raise ValueError(f"--uevent-source: {spec!r} is not one of auto, udev, kernel, none, unix:PATH")
 
 
+def carries_udev_properties(spec: str, *, udev_control: Path = UDEV_CONTROL) -> bool:
+    """Whether the source ``spec`` names delivers udev's properties: ``udev`` (``auto`` with a
+    running udevd) does, and so does ``unix:PATH`` (tests feed it udev's messages as well as the
+    kernel's); the handlers then also read udev's database at scan time."""
+    if spec == "auto":
+        return udev_control.exists()
+    return spec == "udev" or spec.startswith("unix:")
+
+
 def _unix_path(raw: str) -> Path:
     if not raw:
         raise ValueError("--uevent-source unix:PATH needs a path")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from daemon.core import DeviceSpec
+from daemon.core import DeviceSpec, device_list_env_name
 
 from ._discovery import PCI_ADDRESS, PciDevice, VfioBinding
 
@@ -157,8 +157,8 @@ def go_json(value: Any) -> str:
 
 
 def env_name(prefix: str, resource_name: str) -> str:
-    """``PCIDEVICE_<prefix>_<name>`` with only ``.`` replaced by ``_``, upper-cased (dashes kept)."""
-    return f"PCIDEVICE_{prefix}_{resource_name}".replace(".", "_").upper()
+    """``PCIDEVICE_<prefix>_<name>``."""
+    return device_list_env_name("PCIDEVICE", prefix, resource_name)
 
 
 def kubevirt_env_name(resource: str) -> str:
