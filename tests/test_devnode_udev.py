@@ -18,8 +18,7 @@ TTY_BY_ID = "/dev/serial/by-id/usb-QEMU_QEMU_USB_SERIAL_FTDI0042-if00-port0"
 TTY_BY_PATH = "/dev/serial/by-path/pci-0000:00:14.0-usb-0:2:1.0-port0"
 
 
-@pytest.fixture
-def tree(host: FakeHost) -> UsbTree:
+def three_devices(host: FakeHost) -> UsbTree:
     usb = UsbTree(host)
     usb.attach(keyboard(), "1")  # bus 1 devnum 2: /dev/bus/usb/001/002, input/event0, hidraw0
     usb.attach(ftdi(), "2")  # bus 1 devnum 3: /dev/bus/usb/001/003, ttyUSB0
@@ -28,19 +27,33 @@ def tree(host: FakeHost) -> UsbTree:
 
 
 @pytest.fixture
-def nodes(host: FakeHost, tree: UsbTree) -> DevNodes:
-    return DevNodes(host, tree.udev_data)
+def tree(ram_host: FakeHost) -> UsbTree:
+    return three_devices(ram_host)
 
 
 @pytest.fixture
-def kernel_only(host: FakeHost, tree: UsbTree) -> DevNodes:
-    """The same host seen without udev (``--uevent-source kernel``): the database is there but
-    the handler must not read it."""
-    return DevNodes(host)
+def nodes(tree: UsbTree) -> DevNodes:
+    return DevNodes(tree.host, tree.udev_data)
 
 
-def udev_pool(name: str = "p", **udev: Any) -> dict[str, Any]:
-    return {"resourceName": name, "selectors": {"udev": udev}}
+@pytest.fixture
+def seen(tree: UsbTree) -> DevNodes:
+    """With udev's database (the ``udev`` or ``unix:`` source)."""
+    return DevNodes(tree.host, tree.udev_data)
+
+
+@pytest.fixture
+def kernel_only(tree: UsbTree) -> DevNodes:
+    """The tree seen without udev (``--uevent-source kernel``): the database is there but the
+    handler must not read it."""
+    return DevNodes(tree.host)
+
+
+def udev_pool(name: str = "p", container_path: str | None = None, **udev: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {"resourceName": name, "selectors": {"udev": udev}}
+    if container_path is not None:
+        entry["containerPath"] = container_path
+    return entry
 
 
 ALL_USB_NODES = {"bus_usb_001_001", "bus_usb_001_002", "bus_usb_001_003", "bus_usb_002_001", "bus_usb_002_002"}
@@ -80,8 +93,8 @@ ALL_USB_NODES = {"bus_usb_001_001", "bus_usb_001_002", "bus_usb_001_003", "bus_u
     ],
 )
 def test_udev_selectors_pick_nodes_by_subsystem_own_and_ancestor_properties(
-        nodes: DevNodes, udev: dict[str, Any], ids: set[str]) -> None:
-    assert nodes.ids(udev_pool(**udev)) == {"p": ids}
+        seen: DevNodes, udev: dict[str, Any], ids: set[str]) -> None:
+    assert seen.ids(udev_pool(**udev)) == {"p": ids}
 
 
 @pytest.mark.parametrize(
@@ -93,12 +106,12 @@ def test_udev_selectors_pick_nodes_by_subsystem_own_and_ancestor_properties(
         ([{"paths": ["/dev/hidraw*"]}, {"udev": {"subsystems": ["tty"]}}], {"hidraw0", "ttyUSB0"}),
     ],
 )
-def test_paths_and_udev_in_one_selector_must_both_match(nodes: DevNodes, selectors: Any, ids: set[str]) -> None:
-    assert nodes.ids({"resourceName": "p", "selectors": selectors}) == {"p": ids}
+def test_paths_and_udev_in_one_selector_must_both_match(seen: DevNodes, selectors: Any, ids: set[str]) -> None:
+    assert seen.ids({"resourceName": "p", "selectors": selectors}) == {"p": ids}
 
 
-def test_an_earlier_pool_keeps_a_node_a_udev_pool_also_selects(nodes: DevNodes) -> None:
-    ids = nodes.ids({"resourceName": "ttys", "selectors": {"paths": ["/dev/ttyUSB*"]}},
+def test_an_earlier_pool_keeps_a_node_a_udev_pool_also_selects(seen: DevNodes) -> None:
+    ids = seen.ids({"resourceName": "ttys", "selectors": {"paths": ["/dev/ttyUSB*"]}},
                     udev_pool("ftdi", properties={"ID_VENDOR_ID": "0403"}))
     assert ids == {"ttys": {"ttyUSB0"}, "ftdi": {"bus_usb_001_003"}}
 
@@ -131,42 +144,42 @@ def test_with_kernel_properties_only_udev_keys_never_match(
     ],
 )
 def test_container_path_is_the_kernel_node_or_its_udev_link(
-        nodes: DevNodes, container_path: str | None, expected: str) -> None:
+        seen: DevNodes, container_path: str | None, expected: str) -> None:
     entry = udev_pool(subsystems=["tty"])
     if container_path is not None:
         entry["containerPath"] = container_path
-    devices = nodes.build(entry)["p"]
+    devices = seen.build(entry)["p"]
     assert devices["ttyUSB0"].specs == (DeviceSpec(expected, "/dev/ttyUSB0", "rw"),)
 
 
-def test_by_id_takes_the_first_link_in_sorted_order(nodes: DevNodes, tree: UsbTree, host: FakeHost) -> None:
+def test_by_id_takes_the_first_link_in_sorted_order(nodes: DevNodes, tree: UsbTree) -> None:
     """A SATA disk has several by-id links (``ata-…``, ``wwn-…``); the first in sorted order wins."""
     database = tree.udev_data / "b8:0"
     database.write_text("S:disk/by-id/wwn-0x5000c500a1b2c3d4\n" + database.read_text().replace(
         "S:disk/by-path", "S:disk/by-id/ata-QEMU_HARDDISK_STOR4242\nS:disk/by-path"))
     for link in ("disk/by-id/wwn-0x5000c500a1b2c3d4", "disk/by-id/ata-QEMU_HARDDISK_STOR4242"):
-        (host.dev / link).symlink_to("../../sda")
-    devices = nodes.build(udev_pool(subsystems=["block"], containerPath="by-id"))["p"]
+        (tree.host.dev / link).symlink_to("../../sda")
+    devices = nodes.build(udev_pool(subsystems=["block"], container_path="by-id"))["p"]
     assert devices["sda"].specs == (DeviceSpec("/dev/disk/by-id/ata-QEMU_HARDDISK_STOR4242", "/dev/sda", "rw"),)
     assert devices["sda1"].specs == (
         DeviceSpec("/dev/disk/by-id/usb-QEMU_QEMU_HARDDISK_STOR4242-0:0-part1", "/dev/sda1", "rw"),)
 
 
 def test_by_id_without_a_link_keeps_the_kernel_path_and_warns(
-        nodes: DevNodes, caplog: pytest.LogCaptureFixture) -> None:
+        seen: DevNodes, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING)
-    devices = nodes.build(udev_pool(subsystems=["hidraw"], containerPath="by-id"))["p"]
+    devices = seen.build(udev_pool(subsystems=["hidraw"], container_path="by-id"))["p"]
     assert devices["hidraw0"].specs == (DeviceSpec("/dev/hidraw0", "/dev/hidraw0", "rw"),)
     assert any("hidraw0" in message for message in caplog.messages), caplog.messages
 
 
 def test_by_id_with_kernel_properties_only_keeps_the_kernel_path(kernel_only: DevNodes) -> None:
-    devices = kernel_only.build(udev_pool(subsystems=["tty"], containerPath="by-id"))["p"]
+    devices = kernel_only.build(udev_pool(subsystems=["tty"], container_path="by-id"))["p"]
     assert devices["ttyUSB0"].specs == (DeviceSpec("/dev/ttyUSB0", "/dev/ttyUSB0", "rw"),)
 
 
-def test_udev_pool_ids_are_the_kernel_node_names_with_count(nodes: DevNodes) -> None:
-    devices = nodes.build(udev_pool(subsystems=["tty"], containerPath="by-id") | {"count": 2})["p"]
+def test_udev_pool_ids_are_the_kernel_node_names_with_count(seen: DevNodes) -> None:
+    devices = seen.build(udev_pool(subsystems=["tty"], container_path="by-id") | {"count": 2})["p"]
     assert set(devices) == {"ttyUSB0-0", "ttyUSB0-1"}
     assert {info.specs[0].container_path for info in devices.values()} == {TTY_BY_ID}
 
@@ -174,10 +187,11 @@ def test_udev_pool_ids_are_the_kernel_node_names_with_count(nodes: DevNodes) -> 
 # --- hotplug: folded uevents give what a fresh scan gives -----------------------------------------
 
 
-def test_udev_events_bring_a_matching_node_in_and_take_it_out(host: FakeHost) -> None:
+def test_udev_events_bring_a_matching_node_in_and_take_it_out(ram_host: FakeHost) -> None:
+    host = ram_host
     usb = UsbTree(host)
     nodes = DevNodes(host, usb.udev_data)
-    entry = udev_pool(subsystems=["tty"], properties={"ID_VENDOR_ID": "0403"}, containerPath="by-id")
+    entry = udev_pool(subsystems=["tty"], properties={"ID_VENDOR_ID": "0403"}, container_path="by-id")
     facts = nodes.handler.scan()
     plug = usb.plug(ftdi(), "2")
     for step in plug.steps:
@@ -230,16 +244,16 @@ def test_a_change_event_with_new_properties_reselects_the_node(nodes: DevNodes, 
         ({"paths": ["/dev/tty*"], "udev": {}}, "$.resourceList[0].selectors.udev"),
     ],
 )
-def test_refused_udev_selectors_name_the_json_path(nodes: DevNodes, selectors: Any, json_path: str) -> None:
+def test_refused_udev_selectors_name_the_json_path(seen: DevNodes, selectors: Any, json_path: str) -> None:
     with pytest.raises(ConfigFileError) as caught:
-        nodes.configure({"resourceName": "p", "selectors": selectors})
+        seen.configure({"resourceName": "p", "selectors": selectors})
     assert caught.value.json_path.startswith(json_path), caught.value.json_path
     assert json_path in str(caught.value)
 
 
-def test_an_unknown_container_path_is_refused(nodes: DevNodes) -> None:
+def test_an_unknown_container_path_is_refused(seen: DevNodes) -> None:
     with pytest.raises(ConfigFileError) as caught:
-        nodes.configure(udev_pool(subsystems=["tty"], containerPath="by-uuid"))
+        seen.configure(udev_pool(subsystems=["tty"], container_path="by-uuid"))
     assert caught.value.json_path == "$.resourceList[0].containerPath"
 
 
@@ -257,7 +271,8 @@ def test_a_broken_database_entry_is_skipped_not_fatal(
         nodes: DevNodes, tree: UsbTree, content: bytes) -> None:
     (tree.udev_data / "c188:0").write_bytes(content)
     ids = nodes.ids(udev_pool("by_vendor", properties={"ID_VENDOR_ID": "0403"}, subsystems=["tty"]),
-                    udev_pool("ttys", subsystems=["tty"]), udev_pool("disks", properties={"ID_SERIAL_SHORT": "STOR*"}))
+                    udev_pool("ttys", subsystems=["tty"]),
+                    udev_pool("disks", properties={"ID_SERIAL_SHORT": "STOR*"}, subsystems=["block"]))
     assert ids == {"by_vendor": set(), "ttys": {"ttyUSB0"}, "disks": {"sda", "sda1"}}
 
 
@@ -278,9 +293,10 @@ def test_odd_bytes_in_values_neither_crash_nor_spoil_other_keys(nodes: DevNodes,
     entry = tree.udev_data / "c188:0"
     entry.write_bytes(entry.read_bytes() + b"E:ID_MODEL_FROM_DATABASE=caf\xc3\xa9 \xff\xfe\x01\x7f\n"
                       b"E:ID_WEIRD=\x1b[31m\tred\r\n")
-    ids = nodes.ids(udev_pool("serial", properties={"ID_SERIAL_SHORT": "FTDI0042"}, subsystems=["tty"]),
-                    udev_pool("model", properties={"ID_MODEL_FROM_DATABASE": "caf*"}, subsystems=["tty"]))
-    assert ids == {"serial": {"ttyUSB0"}, "model": {"ttyUSB0"}}
+    assert nodes.ids(udev_pool(properties={"ID_SERIAL_SHORT": "FTDI0042"}, subsystems=["tty"])) == {
+        "p": {"ttyUSB0"}}
+    assert nodes.ids(udev_pool(properties={"ID_MODEL_FROM_DATABASE": "caf\u00e9 *"})) == {"p": {"ttyUSB0"}}
+    assert nodes.ids(udev_pool(properties={"ID_WEIRD": "\x1b[31m\tred*"})) == {"p": {"ttyUSB0"}}
 
 
 def test_an_event_with_odd_bytes_is_folded_without_a_crash(nodes: DevNodes, tree: UsbTree) -> None:
@@ -292,3 +308,19 @@ def test_an_event_with_odd_bytes_is_folded_without_a_crash(nodes: DevNodes, tree
     change = tree.apply(Step("change", tty))
     facts = nodes.handler.fold(facts, change.event(udev=True))
     assert set(nodes.handler.build(facts, [configured])[configured.resource]) == {"ttyUSB0"}
+
+
+def test_without_udev_a_pool_says_which_of_its_keys_it_cannot_see(
+        kernel_only: DevNodes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    kernel_only.configure(udev_pool("ftdi_tty", subsystems=["tty"], properties={"ID_VENDOR_ID": "0403"},
+                                    parentProperties={"DRIVER": "ftdi_sio", "ID_PATH": "pci-*"}))
+    (warning,) = [m for m in caplog.messages if "ID_VENDOR_ID" in m]
+    assert "ID_PATH" in warning and "DRIVER" not in warning
+    assert "ftdi_tty" in warning or "$.resourceList[0]" in warning
+
+
+def test_with_udev_a_pool_using_its_keys_gives_no_warning(seen: DevNodes, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    seen.configure(udev_pool("ftdi_tty", properties={"ID_VENDOR_ID": "0403"}))
+    assert caplog.messages == []

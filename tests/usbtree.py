@@ -354,11 +354,14 @@ class UsbTree:
         return kobj.subsystem
 
     def _change(self, kobj: Kobj) -> None:
-        pass
+        """udevd runs its rules again and rewrites the entry before passing the event on."""
+        if self.udev_enabled and kobj.subsystem:
+            self._write_db(kobj)
 
     def _bind(self, kobj: Kobj) -> None:
         if not kobj.bound:
             self._probe(kobj)
+        self._change(kobj)
 
     def _unbind(self, kobj: Kobj) -> None:
         driver_link = self._dir(kobj) / "driver"
