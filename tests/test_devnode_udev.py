@@ -324,3 +324,75 @@ def test_with_udev_a_pool_using_its_keys_gives_no_warning(seen: DevNodes, caplog
     caplog.set_level(logging.WARNING)
     seen.configure(udev_pool("ftdi_tty", properties={"ID_VENDOR_ID": "0403"}))
     assert caplog.messages == []
+
+
+FOLD_POOLS = [
+    udev_pool("ftdi", container_path="by-id", subsystems=["tty"], properties={"ID_VENDOR_ID": "0403"}),
+    udev_pool("named", properties={"DEVNAME": "ttyUSB*"}),
+    udev_pool("hid", parentProperties={"DRIVER": "usbhid"}),
+    udev_pool("parts", container_path="by-path", properties={"DEVTYPE": "partition"},
+              parentProperties={"ID_SERIAL_SHORT": "STOR*"}),
+    udev_pool("usb", subsystems=["usb"]),
+]
+
+
+@pytest.mark.parametrize("udev", [False, True], ids=["kernel", "udev"])
+def test_after_every_event_of_a_hotplug_and_unplug_the_pools_equal_a_fresh_scan(
+        ram_host: FakeHost, udev: bool) -> None:
+    usb = UsbTree(ram_host, udev=udev)
+    nodes = DevNodes(ram_host, usb.udev_data if udev else None)
+    configured = nodes.configure(*FOLD_POOLS)
+    facts = nodes.handler.scan()
+
+    def seen_by_users(facts: Any) -> dict[str, dict[str, Any]]:
+        return {resource: {i: (info.specs, info.numa_nodes, info.health) for i, info in devices.items()}
+                for resource, devices in nodes.handler.build(facts, configured).items()}
+
+    def check(facts: Any, step: Step) -> None:
+        assert seen_by_users(facts) == seen_by_users(nodes.handler.scan()), step
+
+    plugs = [usb.plug(keyboard(), "1"), usb.plug(ftdi(), "2"), usb.plug(storage(), "3")]
+    for step in (step for plug in plugs for step in plug.steps):
+        usb.apply(step)
+        if step.sends:
+            facts = nodes.handler.fold(facts, step.event(udev))
+            check(facts, step)
+    built = {pool.resource.split("/")[1]: set(devices) for pool, devices in
+             zip(configured, nodes.handler.build(facts, configured).values())}
+    assert built == {"ftdi": {"ttyUSB0"} if udev else set(), "named": set() if udev else {"ttyUSB0"},
+                     "hid": {"input_event0", "hidraw0"}, "parts": {"sda1"} if udev else set(),
+                     "usb": {"bus_usb_001_001", "bus_usb_001_002", "bus_usb_001_003", "bus_usb_002_001",
+                             "bus_usb_002_002"}}
+    for name in ("1-2", "2-3", "1-1"):
+        for step in usb.unplug(name):
+            usb.apply(step)
+            if step.sends:
+                facts = nodes.handler.fold(facts, step.event(udev))
+                check(facts, step)
+    assert {resource: set(devices) for resource, devices in nodes.handler.build(facts, configured).items()} == {
+        pool.resource: {"bus_usb_001_001", "bus_usb_002_001"} if pool.resource.endswith("/usb") else set()
+        for pool in configured}
+
+
+@pytest.mark.parametrize(
+    "properties",
+    [{"DEVLINKS": "*/dev/serial/by-id/*"}, {"TAGS": "*:systemd:*"}, {"CURRENT_TAGS": "*:systemd:*"},
+     {"USEC_INITIALIZED": "?*"}],
+    ids=["DEVLINKS", "TAGS", "CURRENT_TAGS", "USEC_INITIALIZED"])
+def test_a_node_selected_after_its_udev_event_is_selected_after_a_restart_too(
+        ram_host: FakeHost, properties: dict[str, str]) -> None:
+    """libudev gives a device read from the database ``DEVLINKS`` (its ``S:`` lines), ``TAGS``
+    and ``CURRENT_TAGS`` (``G:``/``Q:``) and ``USEC_INITIALIZED`` (``I:``), as its events carry
+    them: a pool selecting on them must not lose the node when the daemon restarts."""
+    usb = UsbTree(ram_host)
+    nodes = DevNodes(ram_host, usb.udev_data)
+    (configured,) = nodes.configure(udev_pool(subsystems=["tty"], properties=properties))
+    facts = nodes.handler.scan()
+    for step in usb.plug(ftdi(), "2").steps:
+        usb.apply(step)
+        if step.sends:
+            facts = nodes.handler.fold(facts, step.event(udev=True))
+            after_event = set(nodes.handler.build(facts, [configured])[configured.resource])
+            after_restart = set(nodes.handler.build(nodes.handler.scan(), [configured])[configured.resource])
+            assert after_event == after_restart, step
+    assert after_event == {"ttyUSB0"}

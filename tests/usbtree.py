@@ -37,6 +37,7 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from daemon.core import UEvent
 from daemon.sources.uevent_wire import parse_kernel_uevent
@@ -134,13 +135,23 @@ class Step:
         return self.kobj.devpath
 
     def message(self, udev: bool = False) -> bytes:
+        """The uevent in the kernel's wire format, as the unix seam takes it; ``udev``: with
+        udevd's properties too (``DEVNAME`` stays relative: the seam's format is the kernel's)."""
         properties = dict(self.udev if udev else self.kernel)
         properties.pop("ACTION"), properties.pop("DEVPATH")
         return kernel_message(self.action, self.devpath, **properties)
 
     def event(self, udev: bool = False) -> UEvent:
-        """The UEvent the daemon's parser makes of this step's message."""
-        return parse_kernel_uevent(self.message(udev))
+        """The UEvent the daemon gets: from the kernel, the parse of the message; from udevd,
+        what the ``udev`` source makes of libudev's device (its properties as udev has them,
+        ``DEVNAME`` absolute there, relative in ``devname``)."""
+        if not udev:
+            return parse_kernel_uevent(self.message())
+        properties = dict(self.udev)
+        devname = properties.get("DEVNAME")
+        if devname is not None:
+            properties["DEVNAME"] = f"/dev/{devname}"
+        return UEvent(self.action, self.devpath, self.kobj.subsystem, devname, MappingProxyType(properties))
 
     def __repr__(self) -> str:
         return f"{self.action}@{self.devpath}"
