@@ -15,7 +15,7 @@ import pytest
 from daemon.core import ConfigFileError, DeviceSpec
 from tests.fakesysfs import FakeHost
 from tests.usbpools import UsbPools, node_paths
-from tests.usbtree import Plug, UsbModel, UsbTree, ftdi, hub, keyboard, storage
+from tests.usbtree import Plug, UsbModel, UsbTree, ft2232, ftdi, hub, keyboard, storage
 
 HUB_SERIAL = "314159-0000:00:01.0-2"
 
@@ -240,14 +240,40 @@ def test_allocate_reads_the_nodes_present_now(tree: UsbTree, usb: UsbPools) -> N
     assert sorted(info["serial-STOR4242"]["nodes"][1:]) == ["/dev/bsg/0:0:0:0", "/dev/sda", "/dev/sda1"]
 
 
+def test_a_dual_uart_adapter_is_one_device_with_the_ttys_of_both_interfaces(tree: UsbTree, usb: UsbPools) -> None:
+    plug = tree.attach(ft2232(), "2")
+    serial = usb.pool(pool("uarts", {"vendors": ["0403"], "products": ["6010"]}))
+    assert set(serial.devices) == {"serial-FT2232A"}
+    assert node_paths(serial.devices["serial-FT2232A"]) == [plug.bus_node, "/dev/ttyUSB0", "/dev/ttyUSB1"]
+    info = json.loads(usb.allocate(serial, ["serial-FT2232A"]).envs["USBDEVICE_INTEL_COM_UARTS_INFO"])
+    assert info["serial-FT2232A"]["nodes"] == [plug.bus_node, "/dev/ttyUSB0", "/dev/ttyUSB1"]
+
+
+def test_dra_attributes_say_vendor_product_port_and_a_short_serial(tree: UsbTree, usb: UsbPools) -> None:
+    tree.attach(ftdi(), "2")
+    tree.attach(ftdi(serial=None), "3")
+    tree.attach(keyboard(serial="K" * 65), "1")
+    serial = usb.pool(pool("p", EVERYTHING))
+    keys = ("vendor", "product", "port", "serial")
+
+    def attributes(device_id: str) -> dict[str, Any]:
+        described = usb.handler.dra_attributes(serial, device_id)
+        return {key: described[key] for key in keys if key in described}
+
+    assert attributes("serial-FTDI0042") == {"vendor": "0403", "product": "6001", "port": "1-2", "serial": "FTDI0042"}
+    assert attributes("port-1-3") == {"vendor": "0403", "product": "6001", "port": "1-3"}
+    assert attributes("port-1-1") == {"vendor": "0627", "product": "0001", "port": "1-1"}
+
+
 # --- events -------------------------------------------------------------------------------------------
 
 SETTLED_AFTER = {
     "serial": "bind@/devices/pci0000:00/0000:00:14.0/usb1/1-2/1-2:1.0",
+    "dual": "bind@/devices/pci0000:00/0000:00:14.0/usb1/1-2/1-2:1.0",
     "keyboard": "bind@/devices/pci0000:00/0000:00:14.0/usb1/1-2/1-2:1.0",
     "storage": "bind@/devices/pci0000:00/0000:00:14.0/usb2/2-2/2-2:1.0",
 }
-MODELS = {"serial": ftdi(), "keyboard": keyboard(), "storage": storage()}
+MODELS = {"serial": ftdi(), "dual": ft2232(), "keyboard": keyboard(), "storage": storage()}
 
 
 def device_of(usb: UsbPools, facts: Any) -> dict[str, Any]:

@@ -182,12 +182,19 @@ class UsbModel:
     device_class: str
     interface: Interface
     superspeed: bool = False
+    interface_count: int = 1  # alike interfaces 1.0, 1.1, ... (an FT2232's two UARTs)
 
 
 def ftdi(serial: str | None = "FTDI0042") -> UsbModel:
     """QEMU's usb-serial: an FTDI FT232 (0403:6001), bound by ftdi_sio, full speed."""
     return UsbModel("serial", "0403", "6001", "0600", "QEMU", "QEMU USB SERIAL", serial, "12", " 1.10", "00",
                     Interface("ff", "ff", "ff", "ftdi_sio"))
+
+
+def ft2232(serial: str | None = "FT2232A") -> UsbModel:
+    """A dual-UART FTDI FT2232H (0403:6010): two interfaces, each with its own ttyUSB."""
+    return UsbModel("serial", "0403", "6010", "0700", "FTDI", "Dual RS232-HS", serial, "480", " 2.00", "00",
+                    Interface("ff", "ff", "ff", "ftdi_sio"), interface_count=2)
 
 
 def keyboard(serial: str | None = "KBD0001") -> UsbModel:
@@ -257,6 +264,7 @@ class UsbTree:
         self._hid_no = 0
         self._diskseq = 0
         self._usec = USEC_BASE
+        self._reserved: set[str] = set()
         self.plugs: dict[str, Plug] = {}
         host.add_pci(controller, vendor="8086", device="a36d", class_code="0c0330", driver="xhci_hcd",
                      numa_node=numa_node, bridge=None)
@@ -398,6 +406,7 @@ class UsbTree:
             _prune((self.host.dev / devname).parent, self.host.dev)
         shutil.rmtree(directory)
         _prune(directory.parent, self.host.sys / "devices")
+        self._reserved.discard(kobj.name)
         if self.udev_enabled:
             (self.udev_data / kobj.db_name).unlink(missing_ok=True)
             for link in kobj.links:
@@ -466,10 +475,15 @@ class UsbTree:
         plug = Plug(model, name, bus, devnum, None, [])  # type: ignore[arg-type]
         usb_device = self._usb_device(model, name, bus, devnum, f"{parent_devpath}/{name}", port)
         plug.usb_device = usb_device
-        interface = self._interface(model, usb_device, port)
-        plug.steps = [Step("add", usb_device), Step("probe", usb_device), Step("change", usb_device),
-                      Step("add", interface), Step("probe", interface)]
-        plug.steps += getattr(self, f"_{model.kind}_children")(model, plug, interface, port)
+        plug.steps = [Step("add", usb_device), Step("probe", usb_device), Step("change", usb_device)]
+        for number in range(model.interface_count):
+            interface = self._interface(model, usb_device, port, number)
+            plug.steps += [Step("add", interface), Step("probe", interface)]
+            plug.steps += getattr(self, f"_{model.kind}_children")(model, plug, interface, port)
+        # the generic driver's probe returns (its bind) once every interface's driver bound
+        last_interface_bind = max(i for i, step in enumerate(plug.steps)
+                                  if step.action == "bind" and step.kobj.head.get("DEVTYPE") == "usb_interface")
+        plug.steps.insert(last_interface_bind + 1, Step("bind", usb_device))
         usb_device.symlinks["port"] = port_of
         plug.kobjs = list(dict.fromkeys(step.kobj for step in plug.steps))
         self.plugs[name] = plug
@@ -556,36 +570,42 @@ class UsbTree:
                                                  (bus - 1) * 128 + devnum - 1),
                     driver="usb", udev=udev)
 
-    def _interface(self, model: UsbModel, device: Kobj, port: str) -> Kobj:
+    def _interface(self, model: UsbModel, device: Kobj, port: str, number: int) -> Kobj:
         interface = model.interface
+        config = f"1.{number}"
         numbers = "/".join(str(int(x, 16)) for x in (interface.klass, interface.subclass, interface.protocol))
         modalias = (f"usb:v{model.vendor.upper()}p{model.product.upper()}d{model.bcd_device.upper()}"
                     f"dc{model.device_class.upper()}dsc00dp00ic{interface.klass.upper()}"
-                    f"isc{interface.subclass.upper()}ip{interface.protocol.upper()}in00")
+                    f"isc{interface.subclass.upper()}ip{interface.protocol.upper()}in{number:02X}")
         udev = {"ID_VENDOR_FROM_DATABASE": _VENDORS.get(model.vendor, model.manufacturer),
-                "ID_PATH": self._id_path(port, "1.0"), "ID_PATH_TAG": _tag(self._id_path(port, "1.0"))}
-        return Kobj(f"{device.devpath}/{device.name}:1.0", "usb", False, head={"DEVTYPE": "usb_interface"},
+                "ID_PATH": self._id_path(port, config), "ID_PATH_TAG": _tag(self._id_path(port, config))}
+        return Kobj(f"{device.devpath}/{device.name}:{config}", "usb", False, head={"DEVTYPE": "usb_interface"},
                     tail={"PRODUCT": device.tail["PRODUCT"], "TYPE": device.tail["TYPE"], "INTERFACE": numbers,
                           "MODALIAS": modalias},
                     attributes={"bInterfaceClass": interface.klass, "bInterfaceSubClass": interface.subclass,
-                                "bInterfaceProtocol": interface.protocol, "bInterfaceNumber": "00",
+                                "bInterfaceProtocol": interface.protocol, "bInterfaceNumber": f"{number:02d}",
                                 "bAlternateSetting": " 0", "bNumEndpoints": "02", "modalias": modalias,
                                 "supports_autosuspend": "1", "authorized": "1"},
                     driver=interface.driver, udev=udev)
 
-    def _device_udev(self, model: UsbModel, port: str, interface_driver: str | None) -> dict[str, str]:
+    def _device_udev(self, model: UsbModel, port: str, interface: Kobj) -> dict[str, str]:
         """What udev's usb_id and path_id give a device below an interface (tty, input, disk)."""
         udev = self._usb_udev(model, port)
-        udev.update(ID_USB_INTERFACE_NUM="00")
-        if interface_driver is not None:
-            udev["ID_USB_DRIVER"] = interface_driver
-        udev.update(ID_PATH=self._id_path(port, "1.0"), ID_PATH_TAG=_tag(self._id_path(port, "1.0")))
+        udev.update(ID_USB_INTERFACE_NUM=interface.attributes["bInterfaceNumber"])
+        if interface.driver is not None:
+            udev["ID_USB_DRIVER"] = interface.driver
+        config = interface.name.rsplit(":", 1)[1]
+        udev.update(ID_PATH=self._id_path(port, config), ID_PATH_TAG=_tag(self._id_path(port, config)))
         return udev
 
-    def _free(self, prefix: str, taken_in: Path) -> int:
+    def _free(self, prefix: str, taken_in: Path, name: Callable[[int], str] | None = None) -> int:
+        """The lowest free index of a kernel name (``ttyUSB<n>``), counting names planned by
+        plugs not applied yet; the name is reserved until its device is removed."""
+        name = name or (lambda index: f"{prefix}{index}")
         index = 0
-        while (taken_in / f"{prefix}{index}").exists():
+        while (taken_in / name(index)).exists() or name(index) in self._reserved:
             index += 1
+        self._reserved.add(name(index))
         return index
 
     def _serial_children(self, model: UsbModel, plug: Plug, interface: Kobj, port: str) -> list[Step]:
@@ -593,14 +613,14 @@ class UsbTree:
         tty_name = f"ttyUSB{index}"
         usb_serial = Kobj(f"{interface.devpath}/{tty_name}", "usb-serial", False, driver="ftdi_sio",
                           attributes={"port_number": "0", "latency_timer": "1"})
-        udev = self._device_udev(model, port, interface.driver)
+        udev = self._device_udev(model, port, interface)
         udev.update(ID_MM_CANDIDATE="1")
-        links = [f"serial/by-path/{self._id_path(port, '1.0')}-port0"]
-        links.insert(0, f"serial/by-id/usb-{udev['ID_SERIAL']}-if00-port0")
+        links = [f"serial/by-id/usb-{udev['ID_SERIAL']}-if{udev['ID_USB_INTERFACE_NUM']}-port0",
+                 f"serial/by-path/{udev['ID_PATH']}-port0"]
         tty = Kobj(f"{usb_serial.devpath}/tty/{tty_name}", "tty", True, node=(tty_name, TTY_USB_MAJOR, index),
                    udev=udev, links=links, tags=["systemd"])
         return [Step("add", usb_serial), Step("probe", usb_serial), Step("add", tty), Step("bind", usb_serial),
-                Step("bind", interface), Step("bind", plug.usb_device)]
+                Step("bind", interface)]
 
     def _keyboard_children(self, model: UsbModel, plug: Plug, interface: Kobj, port: str) -> list[Step]:
         self._hid_no += 1
@@ -616,7 +636,7 @@ class UsbTree:
         wakeup = Kobj(f"{plug.devpath}/wakeup/wakeup{self._input_no + 10}", "wakeup", True,
                       attributes={"name": plug.name, "active_count": "0", "event_count": "0"})
         input_name = f"input{self._input_no}"
-        udev = self._device_udev(model, port, interface.driver)
+        udev = self._device_udev(model, port, interface)
         udev.update(ID_INPUT="1", ID_INPUT_KEY="1", ID_INPUT_KEYBOARD="1")
         input_dev = Kobj(f"{hid.devpath}/input/{input_name}", "input", True,
                          tail={"PRODUCT": f"3/{int(model.vendor, 16):x}/{int(model.product, 16):x}/0",
@@ -648,11 +668,11 @@ class UsbTree:
                       node=(f"hidraw{hidraw_index}", HIDRAW_MAJOR, hidraw_index))
         return [Step("add", hid), Step("probe", hid), Step("add", wakeup), Step("add", input_dev),
                 *(Step("add", led) for led in leds), Step("add", event), Step("add", hidraw),
-                Step("bind", hid), Step("bind", interface), Step("bind", plug.usb_device)]
+                Step("bind", hid), Step("bind", interface)]
 
     def _hub_children(self, model: UsbModel, plug: Plug, interface: Kobj, port: str) -> list[Step]:
         ports = [self._hub_port(interface.devpath, f"{plug.name}-port{n}") for n in range(1, 9)]
-        return [*(Step("add", p) for p in ports), Step("bind", interface), Step("bind", plug.usb_device)]
+        return [*(Step("add", p) for p in ports), Step("bind", interface)]
 
     def _storage_children(self, model: UsbModel, plug: Plug, interface: Kobj, port: str) -> list[Step]:
         host_no = self._free("host", self.host.sys / "class" / "scsi_host")
@@ -670,14 +690,12 @@ class UsbTree:
                    node=(f"bsg/{hctl}", BSG_MAJOR, host_no))
         scsi_disk = Kobj(f"{sdev.devpath}/scsi_disk/{hctl}", "scsi_disk", True,
                          attributes={"cache_type": "write back", "protection_type": "0"})
-        disk_index = 0
-        while (self.host.sys / "class" / "block" / f"sd{chr(ord('a') + disk_index)}").exists():
-            disk_index += 1
+        disk_index = self._free("sd", self.host.sys / "class" / "block", lambda index: f"sd{chr(ord('a') + index)}")
         disk = f"sd{chr(ord('a') + disk_index)}"
         self._diskseq += 1
         bdi = Kobj(f"/devices/virtual/bdi/{SD_MAJOR}:{16 * disk_index}", "bdi", True,
                    attributes={"read_ahead_kb": "128"})
-        udev = self._device_udev(model, port, interface.driver)
+        udev = self._device_udev(model, port, interface)
         disk_serial = f"QEMU_QEMU_HARDDISK_{model.serial}-0:0" if model.serial else "QEMU_QEMU_HARDDISK-0:0"
         scsi_path = f"{self._id_path(port, '1.0')}-scsi-0:0:0:0"
         udev.update(ID_VENDOR="QEMU", ID_VENDOR_ENC="QEMU\\x20\\x20\\x20\\x20", ID_MODEL="QEMU_HARDDISK",
@@ -698,7 +716,7 @@ class UsbTree:
                     node=(f"{disk}1", SD_MAJOR, 16 * disk_index + 1), udev=part_udev,
                     links=[f"{link}-part1" for link in disk_links[:2]] + ["disk/by-partuuid/fea5f00d-01"],
                     tags=["systemd"], attributes={"partition": "1", "start": "2048", "size": "129024"})
-        return [Step("add", host), Step("add", scsi_host), Step("bind", interface), Step("bind", plug.usb_device),
+        return [Step("add", host), Step("add", scsi_host), Step("bind", interface),
                 Step("add", target), Step("add", sdev), Step("add", scsi_device), Step("add", bsg),
                 Step("probe", sdev), Step("add", scsi_disk),
                 Step("change", sdev, extra={"SDEV_UA": "POWER_ON_RESET_OCCURRED"}),
