@@ -67,7 +67,8 @@ def allocated(kubelet: FakeKubelet, resource: str, device_ids: list[str]) -> tup
 
 
 def test_usb_devices_join_on_hotplug_with_all_their_nodes_and_leave_on_removal(
-        tree: UsbTree, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam) -> None:
+        tree: UsbTree, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam,
+        short_tmp: Path) -> None:
     tree.attach(keyboard(), "1")
     start(run_daemon, seam, tree)
     wait_for_list(kubelet, HID, {"serial-KBD0001": "Healthy"})
@@ -86,6 +87,18 @@ def test_usb_devices_join_on_hotplug_with_all_their_nodes_and_leave_on_removal(
     assert specs[0] == (keyboard_node, keyboard_node, "r")
     assert sorted(specs[1:]) == [("/dev/hidraw0", "/dev/hidraw0", "r"), ("/dev/input/event0", "/dev/input/event0", "r")]
     assert envs["USBDEVICE_INTEL_COM_USB_HID"] == "serial-KBD0001"
+
+    # a host lease takes the keyboard away from the kubelet with the same envs, until released
+    control = short_tmp / "control.sock"
+    lease = control_cli(control, "allocate", HID, "--device", "serial-KBD0001", "--owner", "vm", "-o", "json")
+    assert lease.returncode == 0, lease.stderr
+    granted = json.loads(lease.stdout)
+    assert granted["envs"]["USBDEVICE_INTEL_COM_USB_HID"] == "serial-KBD0001"
+    assert json.loads(granted["envs"]["USBDEVICE_INTEL_COM_USB_HID_INFO"])["serial-KBD0001"]["port"] == "1-1"
+    wait_for_list(kubelet, HID, {})
+    assert control_cli(control, "release", granted["lease"]).returncode == 0
+    wait_for_list(kubelet, HID, {"serial-KBD0001": "Healthy"})
+
     tree.run(tree.unplug("1-2"), udevd(seam))
     wait_for_list(kubelet, SERIAL, {})
     assert listed(kubelet, HID) == {"serial-KBD0001": "Healthy"}
