@@ -306,9 +306,11 @@ def test_offered_at_the_interface_bind_and_folds_equal_a_fresh_scan_from_then_on
 
 def test_a_scan_takes_a_device_whose_driver_is_bound_as_settled(tree: UsbTree, usb: UsbPools) -> None:
     plug = tree.plug(ftdi(), "2")
-    tree.apply(plug.steps[0])  # add usb_device: no driver yet
+    probe = next(i for i, step in enumerate(plug.steps) if step.action == "probe")
+    for step in plug.steps[:probe]:  # the usb_device and its endpoint 0: no driver yet
+        tree.apply(step)
     assert device_of(usb, usb.handler.scan()) == {}
-    tree.apply(plug.steps[1])  # the generic driver probes it: its driver link is there
+    tree.apply(plug.steps[probe])  # the generic driver probes it: its driver link is there
     assert set(device_of(usb, usb.handler.scan())) == {"serial-FTDI0042"}
 
 

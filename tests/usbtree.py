@@ -324,6 +324,8 @@ class UsbTree:
             pass
         elif kobj.is_class:
             _link(directory / "subsystem", self.host.sys / kind / kobj.subsystem)
+            if kobj.head.get("DEVTYPE") != "partition" and not kobj.devpath.startswith("/devices/virtual/"):
+                _link(directory / "device", self._parent_device_dir(directory))  # back up: a loop to walkers
             _link(self.host.sys / "class" / kobj.subsystem / kobj.name, directory)
             if kobj.subsystem == "block" and kobj.head.get("DEVTYPE") == "disk":
                 _link(self.host.sys / "block" / kobj.name, directory)
@@ -337,6 +339,14 @@ class UsbTree:
             self._mknod(devname, major, minor, kobj.block)
         if self.udev_enabled and kobj.subsystem:
             self._write_db(kobj)
+
+    def _parent_device_dir(self, directory: Path) -> Path:
+        """The device a class device hangs off: the nearest parent with a ``uevent`` that is not
+        a class's grouping directory (``tty/``, ``block/``, ``input/``)."""
+        parent = directory.parent
+        while not (parent / "uevent").exists():
+            parent = parent.parent
+        return parent
 
     def _mknod(self, devname: str, major: int, minor: int, block: bool) -> None:
         path = self.host.dev / devname
@@ -450,6 +460,13 @@ class UsbTree:
         return steps
 
     @staticmethod
+    def _endpoint(parent_devpath: str, address: str) -> Kobj:
+        """``ep_XX``: a usb_endpoint device, with neither bus nor class (no uevent, no node)."""
+        return Kobj(f"{parent_devpath}/ep_{address}", "", True, head={"DEVTYPE": "usb_endpoint"},
+                    attributes={"bEndpointAddress": address, "type": "Bulk" if address != "00" else "Control",
+                                "direction": "in" if address.startswith("8") else "out", "interval": "0ms"})
+
+    @staticmethod
     def _hub_port(interface_devpath: str, name: str) -> Kobj:
         # usb_port devices have neither bus nor class: no ``subsystem`` link, and the driver core
         # sends no uevent for them (dev_uevent_filter).
@@ -475,10 +492,12 @@ class UsbTree:
         plug = Plug(model, name, bus, devnum, None, [])  # type: ignore[arg-type]
         usb_device = self._usb_device(model, name, bus, devnum, f"{parent_devpath}/{name}", port)
         plug.usb_device = usb_device
-        plug.steps = [Step("add", usb_device), Step("probe", usb_device), Step("change", usb_device)]
+        plug.steps = [Step("add", usb_device), Step("add", self._endpoint(usb_device.devpath, "00")),
+                      Step("probe", usb_device), Step("change", usb_device)]
         for number in range(model.interface_count):
             interface = self._interface(model, usb_device, port, number)
-            plug.steps += [Step("add", interface), Step("probe", interface)]
+            plug.steps += [Step("add", interface), Step("add", self._endpoint(interface.devpath, f"8{number + 1}")),
+                           Step("add", self._endpoint(interface.devpath, f"0{number + 2}")), Step("probe", interface)]
             plug.steps += getattr(self, f"_{model.kind}_children")(model, plug, interface, port)
         # the generic driver's probe returns (its bind) once every interface's driver bound
         last_interface_bind = max(i for i, step in enumerate(plug.steps)
