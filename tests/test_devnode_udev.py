@@ -396,3 +396,22 @@ def test_a_node_selected_after_its_udev_event_is_selected_after_a_restart_too(
             after_restart = set(nodes.handler.build(nodes.handler.scan(), [configured])[configured.resource])
             assert after_event == after_restart, step
     assert after_event == {"ttyUSB0"}
+
+
+def test_without_a_readable_database_the_udev_events_properties_keep_selecting_the_node(
+        ram_host: FakeHost) -> None:
+    """A daemon whose container does not mount /run/udev still gets udev's events: the tty's
+    ID_* properties come from its own events, and its parents' later bind events keep them."""
+    usb = UsbTree(ram_host)
+    nodes = DevNodes(ram_host, ram_host.root / "run" / "udev" / "not-mounted")
+    (configured,) = nodes.configure(udev_pool(subsystems=["tty"], properties={"ID_SERIAL_SHORT": "FTDI0042"}))
+    facts = nodes.handler.scan()
+    selected_after: dict[str, set[str]] = {}
+    for step in usb.plug(ftdi(), "2").steps:
+        usb.apply(step)
+        if step.sends:
+            facts = nodes.handler.fold(facts, step.event(udev=True))
+            selected_after[repr(step)] = set(nodes.handler.build(facts, [configured])[configured.resource])
+    tty_add = next(name for name in selected_after if name.endswith("/tty/ttyUSB0"))
+    later = list(selected_after)[list(selected_after).index(tty_add):]
+    assert {name: selected_after[name] for name in later} == {name: {"ttyUSB0"} for name in later}
