@@ -466,3 +466,10 @@ def test_interfaces_coming_and_going_during_scans_never_break_one(tree: UsbTree,
         stop.set()
         flapper.join()
     assert errors == []
+
+
+def test_a_controller_without_a_numa_node_gives_no_topology(ram_host: FakeHost) -> None:
+    tree = UsbTree(ram_host, numa_node=-1)
+    tree.attach(ftdi(), "2")
+    devices = UsbPools(ram_host, tree.udev_data).scan_build(pool("p", {"vendors": ["0403"]}))["p"]
+    assert devices["serial-FTDI0042"].numa_nodes == ()
