@@ -14,9 +14,10 @@ qemu-xhci with usb-kbd, usb-serial, usb-storage and usb-hub):
 * a usb_device ``usb<bus>/<bus>-<port>`` (``.<port>`` behind a hub: ``1-2/1-2.1``, the child a
   sibling of the hub's interfaces) with ``idVendor``, ``idProduct``, ``bcdDevice``, ``serial``
   (only when the device has one), ``busnum``, ``devnum``, ``devpath``, ``speed``, ``dev``
-  (``189:<(bus-1)*128+devnum-1>``), ``port -> ../<hub interface>/<hub>-port<n>``, its node
-  ``/dev/bus/usb/BBB/DDD``; interfaces ``<name>:1.0`` with ``bInterfaceClass``; below them the
-  class devices with ``dev`` files (tty, hidraw, input, scsi disk and partition, bsg);
+  (``189:<(bus-1)*128+devnum-1>``), ``port -> ../<hub interface>/<hub>-port<n>``, ``ep_00``,
+  its node ``/dev/bus/usb/BBB/DDD``; interfaces ``<name>:1.<n>`` with ``bInterfaceClass`` and
+  endpoints; below them the class devices with ``dev`` files (tty, hidraw, input, scsi disk and
+  partition, bsg), each with its ``device`` link back up (a loop for a walker that follows links);
 * ``subsystem`` and ``driver`` links, ``sys/bus/<bus>/devices/<name>``,
   ``sys/bus/<bus>/drivers/<driver>/<name>``, ``sys/class/<class>/<name>`` and
   ``sys/dev/{char,block}/M:m``, every one a relative symlink as sysfs shows it;
@@ -372,15 +373,12 @@ class UsbTree:
 
     def _probe(self, kobj: Kobj) -> None:
         assert kobj.driver is not None
-        driver_dir = self.host.sys / "bus" / self._bus_of(kobj) / "drivers" / kobj.driver
+        driver_dir = self.host.sys / "bus" / kobj.subsystem / "drivers" / kobj.driver
         driver_dir.mkdir(parents=True, exist_ok=True)
         _link(self._dir(kobj) / "driver", driver_dir)
         _link(driver_dir / kobj.name, self._dir(kobj))
         kobj.bound = True
         self._write_uevent(kobj)
-
-    def _bus_of(self, kobj: Kobj) -> str:
-        return kobj.subsystem
 
     def _change(self, kobj: Kobj) -> None:
         """udevd runs its rules again and rewrites the entry before passing the event on."""
