@@ -140,7 +140,7 @@ class DevNodeHandler:
         updated = dict(facts)
         cache: dict[str, Mapping[str, str]] = {}
         for relative in stale:
-            record = read_record(self._context, relative, cache)
+            record = read_record(self._context, relative, cache, earlier=facts[relative])
             if record is None:
                 updated.pop(relative, None)
             else:

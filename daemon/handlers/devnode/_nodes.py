@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from daemon.core import HandlerContext, SysfsError, UEvent, device_properties, read_int
+from daemon.core import HandlerContext, SysfsError, UEvent, device_properties, read_int, set_by_udev
 from daemon.handlers._devnodes import DEV_PREFIX, DeviceNode, stat_node
 
 log = logging.getLogger("devplugd.devnode")
@@ -82,11 +82,12 @@ def _ancestors(context: HandlerContext, devpath: str, cache: AncestorCache) -> t
 
 
 def read_record(context: HandlerContext, relative: str, cache: AncestorCache | None = None,
-                event: UEvent | None = None) -> NodeRecord | None:
+                event: UEvent | None = None, earlier: NodeRecord | None = None) -> NodeRecord | None:
     """The node at ``relative`` below the dev root with what sysfs and udev say of it, or ``None``
     when there is no node. ``event`` (one for this node) adds the properties that sysfs and the
     database did not have: without a readable database (``/run/udev`` not mounted in a container)
-    they are the only udev properties there are."""
+    they are the only udev properties there are. ``earlier`` (the node's record before an event
+    of one of its ancestors) keeps the udev properties and links only its own event had."""
     node = stat_node(context.dev_root, relative)
     if node is None:
         return None
@@ -105,6 +106,11 @@ def read_record(context: HandlerContext, relative: str, cache: AncestorCache | N
         if not links and context.udev_data is not None and (devlinks := event.properties.get("DEVLINKS")):
             links = tuple(sorted(
                 link.removeprefix(DEV_PREFIX) for link in devlinks.split() if link.startswith(DEV_PREFIX)))
+    if earlier is not None and earlier.node == node:
+        for key, value in earlier.properties.items():
+            if set_by_udev(key):
+                properties.setdefault(key, value)
+        links = links or earlier.links
     return NodeRecord(node, _numa_node(context, node), devpath, MappingProxyType(properties), ancestors, links)
 
 

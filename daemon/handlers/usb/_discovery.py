@@ -36,6 +36,7 @@ log = logging.getLogger("devplugd.usb")
 USB_DEVICES = Path("bus/usb/devices")
 # a USB device's kernel name: bus, then port numbers through the hubs (root hubs are ``usbN``)
 DEVICE_NAME = re.compile(r"[0-9]+-[0-9]+(\.[0-9]+)*")
+ROOT_HUB = re.compile(r"usb[0-9]+")
 STABLE_SERIAL = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 SKIPPED_DIRS = frozenset({"power", "subsystem", "driver", "device", "firmware_node", "port"})
 
@@ -74,6 +75,8 @@ def device_name_in(devpath: str) -> tuple[str, str] | None:
     parts = devpath.split("/")
     for index in range(len(parts) - 1, 0, -1):
         if DEVICE_NAME.fullmatch(parts[index]):
+            if not any(ROOT_HUB.fullmatch(part) for part in parts[:index]):
+                return None  # an I2C client (``0-0050``) or the like: named alike, not USB
             return parts[index], "/".join(parts[: index + 1])
     return None
 
