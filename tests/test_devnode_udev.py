@@ -165,12 +165,10 @@ def test_by_id_takes_the_first_link_in_sorted_order(nodes: DevNodes, tree: UsbTr
         DeviceSpec("/dev/disk/by-id/usb-QEMU_QEMU_HARDDISK_STOR4242-0:0-part1", "/dev/sda1", "rw"),)
 
 
-def test_by_id_without_a_link_keeps_the_kernel_path_and_warns(
-        seen: DevNodes, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING)
+def test_by_id_without_a_link_keeps_the_kernel_path(seen: DevNodes) -> None:
+    """Not logged: builds run on every event, and the path the container sees is in the answer."""
     devices = seen.build(udev_pool(subsystems=["hidraw"], container_path="by-id"))["p"]
     assert devices["hidraw0"].specs == (DeviceSpec("/dev/hidraw0", "/dev/hidraw0", "rw"),)
-    assert any("hidraw0" in message for message in caplog.messages), caplog.messages
 
 
 def test_by_id_with_kernel_properties_only_keeps_the_kernel_path(kernel_only: DevNodes) -> None:
