@@ -42,7 +42,7 @@ from types import MappingProxyType
 
 from daemon.core import UEvent
 from daemon.sources.uevent_wire import parse_kernel_uevent
-from tests.fakesysfs import FakeHost
+from tests.fakesysfs import FakeHost, relative_link, write_file
 from tests.uevents import kernel_message
 
 USB_MAJOR = 189
@@ -53,18 +53,6 @@ BSG_MAJOR = 247
 SD_MAJOR = 8
 CONTROLLER = "0000:00:14.0"
 USEC_BASE = 4_000_000
-
-
-def _link(link: Path, target: Path) -> None:
-    link.parent.mkdir(parents=True, exist_ok=True)
-    if link.is_symlink() or link.exists():
-        link.unlink()
-    link.symlink_to(os.path.relpath(target, link.parent))
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 def _prune(directory: Path, stop: Path) -> None:
@@ -270,10 +258,10 @@ class UsbTree:
         host.add_pci(controller, vendor="8086", device="a36d", class_code="0c0330", driver="xhci_hcd",
                      numa_node=numa_node, bridge=None)
         pci_dir = host.device_dir(controller)
-        _write(pci_dir / "uevent", f"DRIVER=xhci_hcd\nPCI_CLASS=C0330\nPCI_ID=8086:A36D\nPCI_SUBSYS_ID=8086:7270\n"
+        write_file(pci_dir / "uevent", f"DRIVER=xhci_hcd\nPCI_CLASS=C0330\nPCI_ID=8086:A36D\nPCI_SUBSYS_ID=8086:7270\n"
                                    f"PCI_SLOT_NAME={controller}\nMODALIAS=pci:v00008086d0000A36Dsv00008086sd00007270"
                                    f"bc0Csc03i30\n")
-        _link(pci_dir / "subsystem", host.sys / "bus" / "pci")
+        relative_link(pci_dir / "subsystem", host.sys / "bus" / "pci")
         for bus in (1, 2):
             for step in self._root_hub(bus):
                 self.apply(step)
@@ -310,33 +298,33 @@ class UsbTree:
         return step
 
     def _write_uevent(self, kobj: Kobj) -> None:
-        _write(self._dir(kobj) / "uevent", "".join(f"{k}={v}\n" for k, v in kobj.kernel_properties().items()))
+        write_file(self._dir(kobj) / "uevent", "".join(f"{k}={v}\n" for k, v in kobj.kernel_properties().items()))
 
     def _add(self, kobj: Kobj) -> None:
         directory = self._dir(kobj)
         directory.mkdir(parents=True)
         for name, value in kobj.attributes.items():
-            _write(directory / name, value + "\n")
+            write_file(directory / name, value + "\n")
         self._write_uevent(kobj)
         for name, target in kobj.symlinks.items():
-            _link(directory / name, self.host.sys / target.lstrip("/"))
+            relative_link(directory / name, self.host.sys / target.lstrip("/"))
         kind = "class" if kobj.is_class else "bus"
         if not kobj.subsystem:
             pass
         elif kobj.is_class:
-            _link(directory / "subsystem", self.host.sys / kind / kobj.subsystem)
+            relative_link(directory / "subsystem", self.host.sys / kind / kobj.subsystem)
             if kobj.head.get("DEVTYPE") != "partition" and not kobj.devpath.startswith("/devices/virtual/"):
-                _link(directory / "device", self._parent_device_dir(directory))  # back up: a loop to walkers
-            _link(self.host.sys / "class" / kobj.subsystem / kobj.name, directory)
+                relative_link(directory / "device", self._parent_device_dir(directory))  # back up: a loop to walkers
+            relative_link(self.host.sys / "class" / kobj.subsystem / kobj.name, directory)
             if kobj.subsystem == "block" and kobj.head.get("DEVTYPE") == "disk":
-                _link(self.host.sys / "block" / kobj.name, directory)
+                relative_link(self.host.sys / "block" / kobj.name, directory)
         else:
-            _link(directory / "subsystem", self.host.sys / kind / kobj.subsystem)
-            _link(self.host.sys / "bus" / kobj.subsystem / "devices" / kobj.name, directory)
+            relative_link(directory / "subsystem", self.host.sys / kind / kobj.subsystem)
+            relative_link(self.host.sys / "bus" / kobj.subsystem / "devices" / kobj.name, directory)
         if kobj.node is not None:
             devname, major, minor = kobj.node
-            _write(directory / "dev", f"{major}:{minor}\n")
-            _link(self.host.sys / "dev" / ("block" if kobj.block else "char") / f"{major}:{minor}", directory)
+            write_file(directory / "dev", f"{major}:{minor}\n")
+            relative_link(self.host.sys / "dev" / ("block" if kobj.block else "char") / f"{major}:{minor}", directory)
             self._mknod(devname, major, minor, kobj.block)
         if self.udev_enabled and kobj.subsystem:
             self._write_db(kobj)
@@ -364,19 +352,19 @@ class UsbTree:
         lines = [f"S:{link}" for link in kobj.links] + [f"I:{kobj.usec}"]
         lines += [f"E:{key}={value}" for key, value in kobj.udev.items()]
         lines += [f"G:{tag}" for tag in kobj.tags] + [f"Q:{tag}" for tag in kobj.tags] + ["V:1"]
-        _write(self.udev_data / kobj.db_name, "\n".join(lines) + "\n")
+        write_file(self.udev_data / kobj.db_name, "\n".join(lines) + "\n")
         if kobj.node is not None:
             node = self.host.dev / kobj.node[0]
             for link in kobj.links:
-                _link(self.host.dev / link, node)
-            _link(self.host.dev / ("block" if kobj.block else "char") / f"{kobj.node[1]}:{kobj.node[2]}", node)
+                relative_link(self.host.dev / link, node)
+            relative_link(self.host.dev / ("block" if kobj.block else "char") / f"{kobj.node[1]}:{kobj.node[2]}", node)
 
     def _probe(self, kobj: Kobj) -> None:
         assert kobj.driver is not None
         driver_dir = self.host.sys / "bus" / kobj.subsystem / "drivers" / kobj.driver
         driver_dir.mkdir(parents=True, exist_ok=True)
-        _link(self._dir(kobj) / "driver", driver_dir)
-        _link(driver_dir / kobj.name, self._dir(kobj))
+        relative_link(self._dir(kobj) / "driver", driver_dir)
+        relative_link(driver_dir / kobj.name, self._dir(kobj))
         kobj.bound = True
         self._write_uevent(kobj)
 
