@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -21,10 +22,16 @@ def mknod(root: Path, relative: str, major: int, minor: int, *, block: bool = Fa
 
 
 class DevNodes:
-    def __init__(self, host: FakeHost) -> None:
+    """A DevNodeHandler on ``host``; with ``udev_data``, reading udev's database there (as with
+    the ``udev`` or ``unix:`` uevent source)."""
+
+    def __init__(self, host: FakeHost, udev_data: Path | None = None) -> None:
         self.host = host
         self.root = host.dev
-        self.handler = DevNodeHandler(HandlerContext(host.sys, host.dev, host.proc, host.root / "devinfo"))
+        context = HandlerContext(host.sys, host.dev, host.proc, host.root / "devinfo")
+        if udev_data is not None:
+            context = dataclasses.replace(context, udev_data=udev_data)
+        self.handler = DevNodeHandler(context)
 
     def configure(self, *entries: dict[str, Any]) -> list[Any]:
         text = json.dumps({"resourceList": [{"deviceType": "devNode", **entry} for entry in entries]})

@@ -26,14 +26,14 @@ ETHER = 1
 INFINIBAND = 32
 
 
-def _link(link: Path, target: Path) -> None:
+def relative_link(link: Path, target: Path) -> None:
     link.parent.mkdir(parents=True, exist_ok=True)
     if link.is_symlink() or link.exists():
         link.unlink()
     link.symlink_to(os.path.relpath(target, link.parent))
 
 
-def _write(path: Path, text: str) -> None:
+def write_file(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
 
@@ -51,7 +51,7 @@ class FakeHost:
             directory.mkdir(parents=True, exist_ok=True)
         route = self.proc / "net" / "route"
         if not route.exists():
-            _write(route, "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n")
+            write_file(route, "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n")
 
     @property
     def sys(self) -> Path:
@@ -89,19 +89,22 @@ class FakeHost:
         class_code: str = "020000",
         driver: str | None = "i40e",
         numa_node: int = 0,
-        bridge: str = "0000:00:02.0",
+        bridge: str | None = "0000:00:02.0",
     ) -> Path:
-        directory = self.sys / "devices" / "pci0000:00" / bridge / address
+        """A PCI function behind ``bridge`` (``None``: on the root bus itself, as an xHCI
+        controller at ``0000:00:14.0`` is)."""
+        root_bus = self.sys / "devices" / "pci0000:00"
+        directory = root_bus / bridge / address if bridge is not None else root_bus / address
         directory.mkdir(parents=True, exist_ok=True)
-        _write(directory / "vendor", f"0x{vendor}\n")
-        _write(directory / "device", f"0x{device}\n")
-        _write(directory / "class", f"0x{class_code}\n")
-        _write(directory / "numa_node", f"{numa_node}\n")
-        _write(directory / "modalias", f"pci:v0000{vendor.upper()}d0000{device.upper()}sv00008086sd00000000"
+        write_file(directory / "vendor", f"0x{vendor}\n")
+        write_file(directory / "device", f"0x{device}\n")
+        write_file(directory / "class", f"0x{class_code}\n")
+        write_file(directory / "numa_node", f"{numa_node}\n")
+        write_file(directory / "modalias", f"pci:v0000{vendor.upper()}d0000{device.upper()}sv00008086sd00000000"
                                        f"bc{class_code[:2].upper()}sc{class_code[2:4].upper()}i{class_code[4:].upper()}\n")
-        _write(directory / "uevent", f"PCI_CLASS={class_code.upper().lstrip('0') or '0'}\n"
+        write_file(directory / "uevent", f"PCI_CLASS={class_code.upper().lstrip('0') or '0'}\n"
                                      f"PCI_ID={vendor.upper()}:{device.upper()}\nPCI_SLOT_NAME={address}\n")
-        _link(self.sys / "bus" / "pci" / "devices" / address, directory)
+        relative_link(self.sys / "bus" / "pci" / "devices" / address, directory)
         if driver is not None:
             self.bind(address, driver)
         return directory
@@ -111,8 +114,8 @@ class FakeHost:
         self.unbind(address)
         driver_dir = self.sys / "bus" / "pci" / "drivers" / driver
         driver_dir.mkdir(parents=True, exist_ok=True)
-        _link(directory / "driver", driver_dir)
-        _link(driver_dir / address, directory)
+        relative_link(directory / "driver", driver_dir)
+        relative_link(driver_dir / address, directory)
 
     def unbind(self, address: str) -> None:
         directory = self.device_dir(address)
@@ -124,8 +127,8 @@ class FakeHost:
 
     def add_pf(self, address: str, *, netdev: str | None, total_vfs: int = 64, **kwargs: object) -> Path:
         directory = self.add_pci(address, **kwargs)  # type: ignore[arg-type]
-        _write(directory / "sriov_totalvfs", f"{total_vfs}\n")
-        _write(directory / "sriov_numvfs", "0\n")
+        write_file(directory / "sriov_totalvfs", f"{total_vfs}\n")
+        write_file(directory / "sriov_numvfs", "0\n")
         if netdev is not None:
             self.add_netdev(address, netdev)
         return directory
@@ -147,15 +150,15 @@ class FakeHost:
         for index, vf_address in enumerate(vf_addresses):
             vf_dir = self.add_pci(vf_address, vendor=vendor, device=device, driver=None, numa_node=numa_node,
                                   bridge=bridge)
-            _link(vf_dir / "physfn", pf_dir)
-            _link(pf_dir / f"virtfn{index}", vf_dir)
+            relative_link(vf_dir / "physfn", pf_dir)
+            relative_link(pf_dir / f"virtfn{index}", vf_dir)
             if iommu_groups is not None:
                 self.set_iommu_group(vf_address, iommu_groups[index])
             if driver is not None:
                 self.bind(vf_address, driver)
             if netdev_names is not None and netdev_names[index]:
                 self.add_netdev(vf_address, netdev_names[index])
-        _write(pf_dir / "sriov_numvfs", f"{len(vf_addresses)}\n")
+        write_file(pf_dir / "sriov_numvfs", f"{len(vf_addresses)}\n")
 
     def remove_pci(self, address: str) -> None:
         directory = self.device_dir(address)
@@ -168,18 +171,18 @@ class FakeHost:
     # -- attributes ----------------------------------------------------------------------------
     def add_netdev(self, address: str, ifname: str, *, arphrd: int = ETHER) -> None:
         net_dir = self.device_dir(address) / "net" / ifname
-        _write(net_dir / "type", f"{arphrd}\n")
-        _write(net_dir / "ifindex", "1\n")
-        _link(self.sys / "class" / "net" / ifname, net_dir)
+        write_file(net_dir / "type", f"{arphrd}\n")
+        write_file(net_dir / "ifindex", "1\n")
+        relative_link(self.sys / "class" / "net" / ifname, net_dir)
 
     def set_iommu_group(self, address: str, group: int, *, noiommu: bool = False) -> None:
         group_dir = self.sys / "kernel" / "iommu_groups" / str(group)
         (group_dir / "devices").mkdir(parents=True, exist_ok=True)
         if noiommu:
-            _write(group_dir / "name", "vfio-noiommu\n")
+            write_file(group_dir / "name", "vfio-noiommu\n")
         directory = self.device_dir(address)
-        _link(directory / "iommu_group", group_dir)
-        _link(group_dir / "devices" / address, directory)
+        relative_link(directory / "iommu_group", group_dir)
+        relative_link(group_dir / "devices" / address, directory)
 
     def add_vfio_cdev(self, address: str, index: int, *, node: bool = True, cdev: bool = True) -> None:
         """``<function>/vfio-dev/vfio<index>`` as a kernel with IOMMUFD shows a vfio-pci function
@@ -189,10 +192,10 @@ class FakeHost:
         cdev_dir = self.device_dir(address) / "vfio-dev" / f"vfio{index}"
         if not cdev:
             cdev_dir.mkdir(parents=True, exist_ok=True)
-            _link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
+            relative_link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
             return
-        _write(cdev_dir / "dev", f"511:{index}\n")
-        _link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
+        write_file(cdev_dir / "dev", f"511:{index}\n")
+        relative_link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
         if node:
             self.add_dev_node(f"vfio/devices/vfio{index}")
             self.add_dev_node("iommu")
@@ -204,12 +207,12 @@ class FakeHost:
         (self.device_dir(address) / "infiniband" / rdma_device).mkdir(parents=True, exist_ok=True)
         for class_name, prefix in (("infiniband_verbs", "uverbs"), ("infiniband_mad", "umad"),
                                    ("infiniband_mad", "issm"), ("infiniband_cm", "ucm")):
-            _write(self.sys / "class" / class_name / f"{prefix}{index}" / "ibdev", f"{rdma_device}\n")
+            write_file(self.sys / "class" / class_name / f"{prefix}{index}" / "ibdev", f"{rdma_device}\n")
             self.add_dev_node(f"infiniband/{prefix}{index}")
         self.add_dev_node("infiniband/rdma_cm")
 
     def set_file(self, address: str, name: str, content: str) -> None:
-        _write(self.device_dir(address) / name, content)
+        write_file(self.device_dir(address) / name, content)
 
     def add_default_route(self, ifname: str) -> None:
         with open(self.proc / "net" / "route", "a") as route:
@@ -219,5 +222,5 @@ class FakeHost:
         """A placeholder for a node the daemon only checks for (the kernel here cannot make PCI
         nodes). Tests of real nodes use the real /dev."""
         path = self.dev / relative
-        _write(path, "")
+        write_file(path, "")
         return path

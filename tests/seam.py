@@ -29,6 +29,10 @@ class Seam:
     def send(self, action: str, devpath: str, subsystem: str, **properties: str) -> None:
         self.socket.sendto(kernel_message(action, devpath, SUBSYSTEM=subsystem, **properties), str(self.path))
 
+    def send_message(self, message: bytes) -> None:
+        """One datagram as given (a message already in the kernel's format)."""
+        self.socket.sendto(message, str(self.path))
+
 
 def run_with_seam(run_daemon: Callable[..., Any], seam: Seam, config: dict[str, Any], **options: Any) -> Any:
     """Start the daemon (the ``run_daemon`` fixture) with ``seam`` as its uevent source; return

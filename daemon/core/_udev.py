@@ -50,8 +50,11 @@ NO_ENTRY = UdevEntry()
 
 
 def parse_udev_entry(data: bytes) -> UdevEntry:
+    """The entry's properties, with those libudev makes of its other lines, as udev's events
+    carry them: ``DEVLINKS`` (``S:``), ``TAGS`` (``G:``), ``CURRENT_TAGS`` (``Q:``),
+    ``USEC_INITIALIZED`` (``I:``)."""
     properties: dict[str, str] = {}
-    links: list[str] = []
+    lines: dict[str, list[str]] = {"S": [], "G": [], "Q": [], "I": []}
     for raw_line in data.split(b"\n"):
         line = raw_line.decode("utf-8", "replace")
         if len(line) < 2 or line[1] != ":":
@@ -61,9 +64,17 @@ def parse_udev_entry(data: bytes) -> UdevEntry:
             key, equals, text = value.partition("=")
             if equals and key:
                 properties[key] = text
-        elif kind == "S" and value:
-            links.append(value)
-    return UdevEntry(MappingProxyType(properties), tuple(links))
+        elif kind in lines and value:
+            lines[kind].append(value)
+    links = tuple(lines["S"])
+    if links:
+        properties["DEVLINKS"] = " ".join(sorted("/dev/" + link for link in links))
+    for key, kind in (("TAGS", "G"), ("CURRENT_TAGS", "Q")):
+        if lines[kind]:
+            properties[key] = ":" + ":".join(lines[kind]) + ":"
+    if lines["I"]:
+        properties["USEC_INITIALIZED"] = lines["I"][-1]
+    return UdevEntry(MappingProxyType(properties), links)
 
 
 def udev_entry_name(properties: Mapping[str, str], sysname: str) -> str | None:

@@ -21,7 +21,7 @@ log = logging.getLogger("devplugd.devnode")
 
 _EMPTY: Mapping[str, str] = MappingProxyType({})
 # an event's properties that say something of the event, not of the device
-EVENT_ONLY_KEYS = frozenset({"ACTION", "SEQNUM", "SYNTH_UUID", "SYNTH_ARG", "DEVLINKS", "TAGS", "CURRENT_TAGS"})
+EVENT_ONLY_KEYS = frozenset({"ACTION", "SEQNUM", "SYNTH_UUID", "SYNTH_ARG"})
 AncestorCache = dict[str, Mapping[str, str]]
 
 

@@ -81,7 +81,7 @@ def _why_port_id(device: UsbDevice, facts: UsbFacts) -> str | None:
     if device.serial_problem is not None:
         return device.serial_problem
     if device.serial is None:
-        return None  # no serial: the port is its identity, nothing to warn about
+        return "it has no serial (in another port it is another device)"
     twins = sorted(name for name, other in facts.items() if other.serial == device.serial and name != device.name)
     return f"its serial {device.serial!r} is also the serial of {', '.join(twins)}" if twins else None
 

@@ -3,7 +3,7 @@
 ``{"vendors": ["0403"], "products": ["6001"], "serials": ["FT*"], "ports": ["1-2*"],
 "interfaceClasses": ["ff"], "drivers": ["ftdi_sio"]}``: in one selector object every key given
 must match, and a key matches when any of its values does; ``selectors`` may be a list of such
-objects, a device matching any of them. ``vendors`` and ``products`` are four hex digits
+objects, a device matching any of them. ``vendors`` and ``products`` are exactly four hex digits
 (``idVendor``/``idProduct``); ``serials`` and ``ports`` are globs over the sysfs ``serial`` and
 the kernel name (the port path, ``1-2.1``); ``interfaceClasses`` (two hex digits) and
 ``drivers`` match any of the device's interfaces. Unknown keys are refused: this is our own
@@ -21,6 +21,7 @@ from ._discovery import UsbDevice
 
 KEYS = ("vendors", "products", "serials", "ports", "interfaceClasses", "drivers")
 HEX = frozenset("0123456789abcdef")
+EXAMPLES = {4: "0403", 2: "ff"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +51,10 @@ class UsbSelector:
 def _hex_ids(selector: ConfigObject, key: str, digits: int) -> tuple[str, ...]:
     values = []
     for index, value in enumerate(selector.string_list(key)):
-        body = value.lower().removeprefix("0x")
-        if not body or len(body) > digits or set(body) - HEX:
-            raise ConfigError(f"{selector.path_of(key)}[{index}]", f"{value!r} is not a hex ID of {digits} digits")
-        values.append(body.rjust(digits, "0"))
+        if len(value) != digits or set(value.lower()) - HEX:
+            raise ConfigError(f"{selector.path_of(key)}[{index}]",
+                              f"{value!r} is not {digits} hex digits, as sysfs writes them ({EXAMPLES[digits]!r})")
+        values.append(value.lower())
     return tuple(values)
 
 
