@@ -68,7 +68,14 @@ from ._tree import (
     ResourcePool,
     TreeDiff,
 )
-from ._udev import UdevEntry, device_properties, kernel_properties, read_udev_entry, set_by_udev
+from ._udev import (
+    UdevEntry,
+    device_properties,
+    kernel_properties,
+    read_udev_entry,
+    read_uevent_file,
+    set_by_udev,
+)
 
 __all__ = [
     "DEVICE_PLUGIN_ROAD",
@@ -148,6 +155,7 @@ __all__ = [
     "read_int",
     "read_text",
     "read_udev_entry",
+    "read_uevent_file",
     "set_by_udev",
     "tell_lifecycle",
 ]

@@ -111,14 +111,22 @@ def parse_uevent_file(data: bytes) -> dict[str, str]:
     return properties
 
 
+def read_uevent_file(directory: str) -> dict[str, str] | None:
+    """The ``uevent`` file of the sysfs device ``directory`` (a string: a scan reads thousands
+    of these, and pathlib's joins cost more than the read); ``None`` when it is gone."""
+    try:
+        with open(f"{directory}/uevent", "rb") as uevent:
+            return parse_uevent_file(uevent.read(MAX_ENTRY_BYTES))
+    except OSError:
+        return None
+
+
 def kernel_properties(sysfs_root: Path, devpath: str) -> dict[str, str]:
     """The kernel's properties of the device at ``devpath`` (``/devices/...``): its ``uevent``
     file, with ``SUBSYSTEM`` from its ``subsystem`` link and ``DEVPATH``; empty when it is gone."""
-    directory = f"{sysfs_root}/{devpath.lstrip('/')}"  # strings: a scan reads thousands of these
-    try:
-        with open(f"{directory}/uevent", "rb") as uevent:
-            properties = parse_uevent_file(uevent.read(MAX_ENTRY_BYTES))
-    except OSError:
+    directory = f"{sysfs_root}/{devpath.lstrip('/')}"
+    properties = read_uevent_file(directory)
+    if properties is None:
         return {}
     try:
         properties["SUBSYSTEM"] = os.path.basename(os.readlink(f"{directory}/subsystem"))

@@ -133,7 +133,7 @@ class UsbDeviceHandler:
         device = None
         if not (event.action == "remove" and event.devpath == devpath):
             device = read_usb_device(self._context, devpath, settled=self._settled(known, event, devpath),
-                                     skip=event.devpath if event.action == "remove" else None)
+                                     skip=event.devpath if event.action == "remove" else None, earlier=known)
         if device == known:
             return facts
         updated = dict(facts)
@@ -183,7 +183,7 @@ class UsbDeviceHandler:
         info: dict[str, Any] = {}
         for device_id in device_ids:
             known: UsbDevice = pool.devices[device_id].details
-            device = read_usb_device(self._context, known.devpath, settled=known.settled) or known
+            device = read_usb_device(self._context, known.devpath, settled=known.settled, earlier=known) or known
             if device.nodes != known.nodes:
                 allocation.reread.add(device_id)
                 self._context.host_changes.device_changed(known.devpath, "usb")

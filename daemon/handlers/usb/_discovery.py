@@ -22,12 +22,12 @@ from types import MappingProxyType
 from daemon.core import (
     HandlerContext,
     SysfsError,
-    kernel_properties,
     link_name,
     list_dir,
     read_hex_id,
     read_int,
     read_text,
+    read_uevent_file,
 )
 from daemon.handlers._devnodes import DeviceNode, relative_devname, stat_node
 
@@ -81,9 +81,9 @@ def device_name_in(devpath: str) -> tuple[str, str] | None:
     return None
 
 
-def _serial(directory: Path) -> tuple[str | None, str | None]:
+def _serial(directory: str) -> tuple[str | None, str | None]:
     try:
-        serial = read_text(directory / "serial")
+        serial = read_text(directory + "/serial")
     except SysfsError:
         return None, "its serial is not ASCII text"
     if serial is None or serial == "":
@@ -93,32 +93,44 @@ def _serial(directory: Path) -> tuple[str | None, str | None]:
     return serial, None
 
 
-def _interface(directory: Path, name: str) -> UsbInterface:
+def _interface(directory: str, name: str) -> UsbInterface:
     try:
-        interface_class = read_hex_id(directory / "bInterfaceClass", 2)
+        interface_class = read_hex_id(directory + "/bInterfaceClass", 2)
     except SysfsError as error:
         log.warning("USB interface %s: %s", name, error)
         interface_class = None
-    return UsbInterface(name, interface_class, link_name(directory / "driver"))
+    return UsbInterface(name, interface_class, link_name(directory + "/driver"))
 
 
 def _nodes_below(context: HandlerContext, devpath: str, skip: str | None) -> list[DeviceNode]:
     """The nodes of the class devices below ``devpath`` (an interface), leaving out ``skip``
-    (a device being removed) and what is below it."""
+    (a device being removed) and what is below it; depth first, in name order, as ``find``
+    would list them. ``scandir`` over string paths: every uevent of a USB device walks this, and
+    ``os.walk`` with its joins and ``relpath`` was most of a fold."""
     nodes: list[DeviceNode] = []
-    top = context.sysfs_root / devpath.lstrip("/")
-    for directory, subdirectories, files in os.walk(top):
-        subdirectories[:] = sorted(name for name in subdirectories if name not in SKIPPED_DIRS)
-        relative = "/" + os.path.relpath(directory, context.sysfs_root)
-        if skip is not None and (relative == skip or relative.startswith(skip + "/")):
-            subdirectories.clear()
+    root = os.fspath(context.sysfs_root)
+    pending = [devpath]
+    while pending:
+        current = pending.pop()
+        if skip is not None and (current == skip or current.startswith(skip + "/")):
             continue
-        if "dev" not in files:
-            continue
-        devname = kernel_properties(context.sysfs_root, relative).get("DEVNAME")
-        if devname and (node_path := relative_devname(devname)) and (node := stat_node(context.dev_root, node_path)):
+        try:
+            with os.scandir(root + current) as listing:
+                entries = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in listing]
+        except OSError:
+            continue  # gone mid-read: an interface or class device gone with its device
+        if any(name == "dev" for name, _ in entries) and (node := _node_of(context, root + current)):
             nodes.append(node)
+        pending.extend(sorted((f"{current}/{name}" for name, is_dir in entries
+                               if is_dir and name not in SKIPPED_DIRS), reverse=True))
     return nodes
+
+
+def _node_of(context: HandlerContext, directory: str) -> DeviceNode | None:
+    devname = (read_uevent_file(directory) or {}).get("DEVNAME")
+    if not devname or (relative := relative_devname(devname)) is None:
+        return None
+    return stat_node(context.dev_root, relative)
 
 
 def _numa_node(context: HandlerContext, devpath: str) -> int | None:
@@ -126,7 +138,7 @@ def _numa_node(context: HandlerContext, devpath: str) -> int | None:
     parent = devpath
     while parent.startswith("/devices/"):
         try:
-            numa = read_int(context.sysfs_root / parent.lstrip("/") / "numa_node")
+            numa = read_int(f"{context.sysfs_root}{parent}/numa_node")
         except SysfsError:
             return None
         if numa is not None:
@@ -136,14 +148,16 @@ def _numa_node(context: HandlerContext, devpath: str) -> int | None:
 
 
 def read_usb_device(context: HandlerContext, devpath: str, *, settled: bool | None,
-                    skip: str | None = None) -> UsbDevice | None:
+                    skip: str | None = None, earlier: UsbDevice | None = None) -> UsbDevice | None:
     """The USB device at ``devpath``, or ``None`` when it is gone (or half gone: no IDs).
-    ``settled`` None: settled when it or an interface has a driver (what a scan concludes)."""
+    ``settled`` None: settled when it or an interface has a driver (what a scan concludes).
+    ``earlier``: its record before this event, whose host controller's NUMA node still holds.
+    String paths throughout: every uevent of the device reads it again."""
     name = os.path.basename(devpath)
-    directory = context.sysfs_root / devpath.lstrip("/")
+    directory = f"{context.sysfs_root}{devpath}"
     try:
-        vendor = read_hex_id(directory / "idVendor", 4)
-        product = read_hex_id(directory / "idProduct", 4)
+        vendor = read_hex_id(directory + "/idVendor", 4)
+        product = read_hex_id(directory + "/idProduct", 4)
     except SysfsError as error:
         log.warning("USB device %s left out: %s", name, error)
         return None
@@ -151,20 +165,19 @@ def read_usb_device(context: HandlerContext, devpath: str, *, settled: bool | No
         return None
     serial, serial_problem = _serial(directory)
     interfaces = tuple(
-        _interface(directory / entry, entry)
+        _interface(f"{directory}/{entry}", entry)
         for entry in list_dir(directory)
         if entry.startswith(name + ":") and (skip is None or skip != f"{devpath}/{entry}")
     )
-    own = kernel_properties(context.sysfs_root, devpath).get("DEVNAME")
-    nodes: list[DeviceNode] = []
-    if own and (own_path := relative_devname(own)) and (own_node := stat_node(context.dev_root, own_path)):
-        nodes.append(own_node)
+    own_node = _node_of(context, directory)
+    nodes: list[DeviceNode] = [own_node] if own_node is not None else []
     for interface in interfaces:
         nodes.extend(_nodes_below(context, f"{devpath}/{interface.name}", skip))
     if settled is None:
-        settled = link_name(directory / "driver") is not None or any(i.driver for i in interfaces)
+        settled = link_name(directory + "/driver") is not None or any(i.driver for i in interfaces)
+    numa_node = earlier.numa_node if earlier is not None else _numa_node(context, devpath)
     return UsbDevice(name, devpath, vendor, product, serial, serial_problem, interfaces, tuple(nodes),
-                     _numa_node(context, devpath), settled)
+                     numa_node, settled)
 
 
 def scan_usb(context: HandlerContext) -> Mapping[str, UsbDevice]:
