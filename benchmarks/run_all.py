@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "seam_latency": (),
     "burst": (),
     "idle": ("--seconds", "20"),
+    "usb_hotplug": (),
     "guest_bind": (),
     "guest_aer": (),
     "guest_usb": (),
