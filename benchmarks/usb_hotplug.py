@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=10.0, help="per wait, seconds (default: %(default)s)")
     arguments = parser.parse_args(argv)
     arguments.warmup = max(arguments.warmup, 1)
+    arguments.replugs = max(arguments.replugs, 1)
 
     print(f"usb_hotplug: an FTDI (0403:6001, FTDI0042) plugged and unplugged on port {PORT} {arguments.replugs} "
           f"times after {arguments.warmup} untimed, through the unix seam; sources {' '.join(arguments.sources)}; "
