@@ -68,14 +68,7 @@ from ._tree import (
     ResourcePool,
     TreeDiff,
 )
-from ._udev import (
-    UdevEntry,
-    device_properties,
-    kernel_properties,
-    read_udev_entry,
-    read_uevent_file,
-    set_by_udev,
-)
+from ._udev import device_properties, read_uevent_file, set_by_udev
 
 __all__ = [
     "DEVICE_PLUGIN_ROAD",
@@ -135,7 +128,6 @@ __all__ = [
     "SysfsError",
     "TreeDiff",
     "UEvent",
-    "UdevEntry",
     "UseDefault",
     "allocate_container",
     "default_allocation",
@@ -144,7 +136,6 @@ __all__ = [
     "dns_subdomain_problem",
     "dra_pool_part",
     "extended_resource_name_problem",
-    "kernel_properties",
     "link_name",
     "list_dir",
     "load_config",
@@ -154,7 +145,6 @@ __all__ = [
     "read_hex_id",
     "read_int",
     "read_text",
-    "read_udev_entry",
     "read_uevent_file",
     "set_by_udev",
     "tell_lifecycle",

@@ -52,11 +52,6 @@ class NodeSelector:
     patterns: tuple[tuple[str, ...], ...] | None  # each /dev glob split into components; None: any path
     udev: UdevSelector | None  # None: any properties
 
-    def matches_path(self, relative_path: str) -> bool:
-        if self.patterns is None:
-            return True
-        return any(path_matches(parts, relative_path) for parts in self.patterns)
-
 
 def path_matches(parts: tuple[str, ...], relative_path: str) -> bool:
     path_parts = relative_path.split("/")
