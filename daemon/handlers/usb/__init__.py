@@ -87,7 +87,7 @@ def _why_port_id(device: UsbDevice, facts: UsbFacts) -> str | None:
 
 
 def _say_identity(device: UsbDevice, facts: UsbFacts) -> None:
-    """Once per device seen: a device that has a serial but is named by its port says why."""
+    """Once per device seen: a device named by its port (no serial, or one that cannot name it) says why."""
     if (reason := _why_port_id(device, facts)) is not None:
         log.warning("USB device %s (%s:%s) is offered as port-%s, which follows the port, not the device: %s",
                     device.name, device.vendor, device.product, device.name, reason,
