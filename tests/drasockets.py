@@ -85,11 +85,13 @@ class DraRig:
         return await trio.to_thread.run_sync(functools.partial(function, *arguments, **keywords))
 
 
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
+async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0,
+                     state: Callable[[], object] | None = None) -> None:
+    """Wait for ``condition``; past ``timeout`` fail naming ``what`` (and ``state()``, if given)."""
+    with trio.move_on_after(timeout):
         while not condition():
             await trio.sleep(0.005)
-    assert condition(), what
+    assert condition(), f"{what}: not within {timeout} s" + (f" ({state()})" if state is not None else "")
 
 
 async def _forward_removals(receive: trio.MemoryReceiveChannel[Event], sockets: DraSockets) -> None:

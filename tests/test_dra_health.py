@@ -22,7 +22,7 @@ from daemon.core import (
     ResourcePool,
 )
 from daemon.dra import device_name, pool_name
-from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, VANISHED_MESSAGE, health_report
+from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, health_report
 from tests.drasockets import DRIVER, NODE, DraRig, serving_dra, wait_until
 
 X, Y, PLUGIN_POOL, WITHHELD = "example.com/x", "example.com/y", "example.com/plugin", "example.com/withheld"
@@ -159,8 +159,12 @@ async def test_a_stream_ends_and_unsubscribes_when_the_kubelet_goes(short_tmp):
         await rig.kubelet_call(rig.kubelet.restart_dra)
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2, timeout=2.0)
         await messages(rig, 2)  # the new registration's stream
+        # the old stream ends when its server stops or, at the latest, at its next resend
+        # (RESEND_INTERVAL) to a connection that is gone: allow that on a loaded machine
         await wait_until(lambda: rig.health.stream_count == 1 and rig.notifier.subscriber_count == 1,
-                         "only the new stream subscribed")
+                         "only the new stream subscribed", timeout=RESEND_INTERVAL + 10.0,
+                         state=lambda: f"{rig.health.stream_count} streams, "
+                                       f"{rig.notifier.subscriber_count} subscribers")
         assert rig.kubelet.dra_health(DRIVER) == {key(X, "d1"): ("Healthy", "")}
         await trio.to_thread.run_sync(rig.kubelet.stop)
         await wait_until(lambda: rig.health.stream_count == 0 and rig.notifier.subscriber_count == 0,
