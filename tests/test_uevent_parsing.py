@@ -109,6 +109,26 @@ def test_malformed_messages_raise_uevent_error(data: bytes, reason: str) -> None
     assert str(caught.value) == f"{caught.value.reason}: {data!r}"  # short messages are shown whole
 
 
+def test_odd_bytes_in_a_device_string_keep_the_event() -> None:
+    """An input device named with bytes that are not UTF-8 still arrives (each bad byte U+FFFD):
+    losing its add would leave the device unlisted until the next rescan."""
+    event = parse_kernel_uevent(b"add@/devices/virtual/input/input9\0SUBSYSTEM=input\0NAME=\"caf\xe9 pad\"\0"
+                                b"PRODUCT=3/627/1/0\0")
+    assert event.subsystem == "input" and event.properties["NAME"] == '"caf\ufffd pad"'
+    assert event.properties["PRODUCT"] == "3/627/1/0"
+
+
+@pytest.mark.parametrize("data", [
+    b"add@/devices/x\0SUBSYSTEM=bl\xffock\0",
+    b"add@/devices/x\0SUBSYSTEM=block\0DEVNAME=sd\xffa\0",
+    b"add@/devices/x\0SUBSYSTEM=block\0K\xffEY=1\0",
+    b"add@/devices/\xff\0SUBSYSTEM=block\0",
+])
+def test_odd_bytes_where_events_are_routed_refuse_it(data: bytes) -> None:
+    with pytest.raises(UEventError, match="not UTF-8"):
+        parse_kernel_uevent(data)
+
+
 def test_udevd_format_is_refused_with_a_clear_error() -> None:
     data = b"libudev\0\xfe\xed\xca\xfe" + bytes(32) + b"ACTION=add\0"
     with pytest.raises(UdevFormatError, match="udevd-format message"):

@@ -11,7 +11,7 @@ import trio
 
 from daemon.core import Event, Resync, UEvent
 from daemon.sources.uevent_wire import UEventError
-from daemon.sources.uevents import UdevUEventSource, udev_device_to_uevent
+from daemon.sources.uevents import UdevUEventSource, _receive_udev, udev_device_to_uevent
 from tests.uevents import BLOCK, ZramDevices, about, next_matching, running
 
 
@@ -47,6 +47,28 @@ def test_udev_device_without_action_or_subsystem_is_refused(action: Any, subsyst
     device = SimpleNamespace(action=action, device_path="/devices/x", subsystem=subsystem, properties={})
     with pytest.raises(UEventError, match=reason):
         udev_device_to_uevent(device)
+
+
+class _UndecodableProperties:
+    """What pyudev's Properties do with a value that is not UTF-8: raise on reading it."""
+
+    def keys(self) -> list[str]:
+        return ["NAME"]
+
+    def __getitem__(self, key: str) -> str:
+        raise UnicodeDecodeError("utf-8", b"caf\xe9", 3, 4, "invalid continuation byte")
+
+
+def test_an_undecodable_udev_event_is_logged_and_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    odd = SimpleNamespace(action="add", device_path="/devices/virtual/input/input9", subsystem="input",
+                          sys_path="/sys/devices/virtual/input/input9", properties=_UndecodableProperties())
+    good = SimpleNamespace(action="add", device_path="/devices/virtual/block/zram3", subsystem="block",
+                           properties={"SUBSYSTEM": "block"})
+    queue = [odd, good]
+    monitor = SimpleNamespace(poll=lambda timeout: queue.pop(0) if queue else None)
+    event = _receive_udev(monitor, None, "udev")  # type: ignore[arg-type]
+    assert isinstance(event, UEvent) and event.devpath == "/devices/virtual/block/zram3"
+    assert any("not UTF-8" in message and "input9" in message for message in caplog.messages), caplog.messages
 
 
 async def test_libudev_path_on_the_kernel_group(zram: ZramDevices) -> None:

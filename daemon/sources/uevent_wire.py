@@ -59,13 +59,22 @@ def parse_kernel_uevent(data: bytes) -> UEvent:
     """
     if data.startswith(UDEV_MAGIC_PREFIX):
         raise UdevFormatError("udevd-format message (libudev header), not the kernel format", data)
+    undecodable: UnicodeDecodeError | None = None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UEventError(f"not UTF-8 (byte {exc.start})", data) from None
+        # A driver's name or a device's string with odd bytes must not cost the event: such
+        # values keep U+FFFD for each bad byte; the header, keys and routing values must be clean.
+        undecodable = exc
+        text = data.decode("utf-8", "replace")
     header, _, body = text.partition("\0")
+    if undecodable is not None and REPLACEMENT in header:
+        raise UEventError(f"not UTF-8 (byte {undecodable.start})", data)
     action, devpath = _split_header(header, data)
     properties = _split_properties(body, data)
+    if undecodable is not None and any(
+            REPLACEMENT in key or (key in ROUTING_KEYS and REPLACEMENT in value) for key, value in properties.items()):
+        raise UEventError(f"not UTF-8 (byte {undecodable.start})", data)
     _check_header_properties(properties, action, devpath, data)
     subsystem = properties.get("SUBSYSTEM")
     if not subsystem:
@@ -74,6 +83,11 @@ def parse_kernel_uevent(data: bytes) -> UEvent:
     if devname is not None:
         _check_devname(devname, data)
     return UEvent(action, devpath, subsystem, devname, MappingProxyType(properties))
+
+
+REPLACEMENT = "\ufffd"
+# the properties the daemon routes an event by: they must be exactly what the kernel sent
+ROUTING_KEYS = frozenset({"ACTION", "DEVPATH", "SUBSYSTEM", "DEVNAME", "DEVTYPE", "DRIVER", "MAJOR", "MINOR"})
 
 
 def _split_header(header: str, data: bytes) -> tuple[str, str]:

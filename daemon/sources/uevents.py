@@ -386,6 +386,8 @@ def _receive_udev(monitor: Any, alias: socket.socket, name: str) -> UEvent | Non
             return udev_device_to_uevent(device)
         except UEventError as exc:
             _log_skipped(name, str(exc))
+        except UnicodeDecodeError as exc:  # pyudev decodes every name and value strictly
+            _log_skipped(name, f"not UTF-8 ({exc.reason} at byte {exc.start}): {getattr(device, 'sys_path', '?')}")
 
 
 def _pending_error(sock: socket.socket) -> int:
