@@ -18,24 +18,29 @@ log = logging.getLogger("devplugd.checkpoint")
 CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 
 Allocations = dict[tuple[str, str], str]
+# (resource, device ID) -> (pod UID, container name)
+Holdings = dict[tuple[str, str], tuple[str, str]]
 
 
-def read_allocations(device_plugin_dir: Path) -> Allocations | None:
-    """(resource, device ID) -> ``pod <uid>/<container>`` from the kubelet's checkpoint; ``{}``
-    when there is no checkpoint, ``None`` (logged) when it cannot be read or parsed."""
+class CheckpointError(Exception):
+    """The checkpoint exists but cannot be read or parsed."""
+
+
+def read_holdings(device_plugin_dir: Path) -> Holdings:
+    """(resource, device ID) -> (pod UID, container) from the kubelet's checkpoint; ``{}`` when
+    there is no checkpoint. Raises CheckpointError (not logged) when it cannot be read or parsed."""
     try:
         document = json.loads((device_plugin_dir / CHECKPOINT_NAME).read_text())
         entries = document["Data"]["PodDeviceEntries"] or []
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError) as error:
-        log.warning("cannot read the kubelet checkpoint in %s: %s", device_plugin_dir, error)
-        return None
-    held: Allocations = {}
+        raise CheckpointError(f"cannot read the kubelet checkpoint in {device_plugin_dir}: {error}") from error
+    held: Holdings = {}
     try:
         for entry in entries:
             try:
-                owner = f"pod {entry['PodUID']}/{entry['ContainerName']}"
+                owner = (str(entry["PodUID"]), str(entry["ContainerName"]))
                 ids = entry["DeviceIDs"]
                 flat = [i for group in ids.values() for i in group] if isinstance(ids, dict) else list(ids)
                 for device_id in flat:
@@ -43,9 +48,19 @@ def read_allocations(device_plugin_dir: Path) -> Allocations | None:
             except (KeyError, TypeError, AttributeError):
                 continue
     except TypeError as error:  # PodDeviceEntries is not a list
-        log.warning("cannot read the kubelet checkpoint in %s: %s", device_plugin_dir, error)
-        return None
+        raise CheckpointError(f"cannot read the kubelet checkpoint in {device_plugin_dir}: {error}") from error
     return held
+
+
+def read_allocations(device_plugin_dir: Path) -> Allocations | None:
+    """(resource, device ID) -> ``pod <uid>/<container>`` from the kubelet's checkpoint; ``{}``
+    when there is no checkpoint, ``None`` (logged) when it cannot be read or parsed."""
+    try:
+        held = read_holdings(device_plugin_dir)
+    except CheckpointError as error:
+        log.warning("%s", error)
+        return None
+    return {key: f"pod {pod_uid}/{container}" for key, (pod_uid, container) in held.items()}
 
 
 def kubelet_allocations(device_plugin_dir: Path) -> Allocations:
