@@ -11,7 +11,7 @@ from pathlib import Path
 
 from daemon import __version__
 from daemon.logs import LEVELS, configure_logging
-from daemon.settings import KUBELET_KUBECONFIG, REGISTRATION_MODES, Settings, dra_names_problem
+from daemon.settings import KUBELET_KUBECONFIG, REGISTRATION_MODES, Settings, dra_names_problem, parse_host_port
 
 DEFAULTS = Settings()
 
@@ -73,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dra-plugin-dir", type=Path, default=DEFAULTS.dra_plugin_dir,
                      help="the kubelet's DRA plugin directory: our socket is DIR/<driver>/dra.sock "
                           "(default: %(default)s)")
+    run.add_argument("--metrics-address", type=_host_port, default=None, metavar="HOST:PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics server)")
     run.add_argument("--log-level", choices=LEVELS, default="info", help="(default: %(default)s)")
 
     socket_help = f"the daemon's control socket (default: {DEFAULTS.control_socket})"
@@ -153,8 +155,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         node_name=node_name,
         kubeconfig=_kubeconfig(arguments.kubeconfig),
         dra_plugin_dir=arguments.dra_plugin_dir,
+        metrics_address=arguments.metrics_address,
     )
     return app.run(settings)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    try:
+        return parse_host_port(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _kubeconfig(given: Path | None) -> Path | None:

@@ -49,6 +49,7 @@ from daemon.deviceplugin import Endpoints
 from daemon.dra import DraDriver
 from daemon.host import HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
+from daemon.metrics import Metrics, MetricsServer
 from daemon.service import ServiceManager, StatusReporter
 from daemon.settings import Settings, dra_names_problem
 from daemon.sources.inotify import InotifySource
@@ -107,8 +108,32 @@ def run(settings: Settings) -> int:
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)
     log.info("config %s: %d pools", config.source, len(config.pools))
-    trio.run(_serve, settings, handlers, config, host_changes)
+    metrics = Metrics(settings.device_plugin_dir, standard=True)
+    try:
+        metrics_server = _serve_metrics(settings, metrics)
+    except OSError as error:
+        log.error("--metrics-address %s: cannot serve metrics there: %s", _address(settings.metrics_address), error)
+        return EXIT_BAD_CONFIG
+    try:
+        trio.run(_serve, settings, handlers, config, host_changes, metrics)
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
     return EXIT_OK
+
+
+def _serve_metrics(settings: Settings, metrics: Metrics) -> MetricsServer | None:
+    """The metrics server in its own thread, when ``--metrics-address`` is given. Raises OSError."""
+    if settings.metrics_address is None:
+        return None
+    server = MetricsServer(metrics.registry, settings.metrics_address)
+    log.info("metrics: serving http://%s/metrics", _address((settings.metrics_address[0], server.port)))
+    return server
+
+
+def _address(address: tuple[str, int] | None) -> str:
+    host, port = address or ("", 0)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def uevent_subsystems(handlers: Mapping[str, AnyHandler]) -> frozenset[str]:
@@ -122,7 +147,8 @@ def uevent_subsystems(handlers: Mapping[str, AnyHandler]) -> frozenset[str]:
 
 
 async def _serve(
-    settings: Settings, handlers: dict[str, AnyHandler], config: DaemonConfig, host_changes: HostChanges
+    settings: Settings, handlers: dict[str, AnyHandler], config: DaemonConfig, host_changes: HostChanges,
+    metrics: Metrics,
 ) -> None:
     service = ServiceManager()
     leases = LeaseBook(settings.state_dir)
@@ -136,6 +162,7 @@ async def _serve(
 
     async with trio_asyncio.open_loop():
         notifier = Notifier()
+        notifier.subscribe(metrics.tree)
         tell_lifecycle(handlers, config.pools, started=True)
         loop: EventLoop | None = None
         try:
@@ -143,7 +170,7 @@ async def _serve(
                 nursery.start_soon(service.keep_watchdog_fed, os.environ)
                 send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
                 kubelet_send, kubelet_receive = trio.open_memory_channel[Event](KUBELET_EVENTS_CAPACITY)
-                endpoints = Endpoints(settings, notifier, handlers, nursery)
+                endpoints = Endpoints(settings, notifier, handlers, nursery, metrics)
                 log.info("registration mode: %s", endpoints.mode)
                 endpoints.remove_stale_sockets()
                 status = StatusReporter(service, endpoints)
@@ -161,12 +188,13 @@ async def _serve(
                 nursery.start_soon(_follow_kubelet, kubelet_receive, endpoints, dra)
                 nursery.start_soon(keep_running, "the CDI writer", cdi.run, Backoff(first=0.1, maximum=10.0))
                 loop = EventLoop(handlers, config, notifier, reload_config, service, leases.holders,
-                                 settings.device_plugin_dir, claim_holders=dra.holders, dra_withheld=dra.withheld)
+                                 settings.device_plugin_dir, claim_holders=dra.holders, dra_withheld=dra.withheld,
+                                 metrics=metrics)
                 nursery.start_soon(loop.run, receive_channel)
                 host_changes.connect(send)
                 host_api = HostServicer(
                     notifier, handlers, leases, settings.device_plugin_dir, lambda: send(LeasesChanged("lease")),
-                    claim_holders=dra.holders,
+                    claim_holders=dra.holders, metrics=metrics,
                 )
                 await nursery.start(serve_control_socket, settings.control_socket, settings.control_group, host_api)
                 await _start_sources(nursery, settings, handlers, inotify, send_channel, kubelet_send)

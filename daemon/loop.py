@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -91,6 +92,7 @@ from daemon.core import (
     UEvent,
     tell_lifecycle,
 )
+from daemon.metrics import CHANGED, FAILED, UNCHANGED, Metrics, metrics_outcome
 from daemon.service import ServiceManager
 
 log = logging.getLogger("devplugd.kernel")  # logger names are in every log line: kept as they were
@@ -124,12 +126,14 @@ class EventLoop:
         device_plugin_dir: Path | None = None,
         claim_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
         dra_withheld: Callable[[], frozenset[str]] = frozenset,
+        metrics: Metrics | None = None,
     ) -> None:
         self._handlers = handlers
         self._config = config
         self._notifier = notifier
         self._reload_config = reload_config
         self._service = service or ServiceManager()
+        self._metrics = metrics or Metrics()
         self._lease_holders = lease_holders
         self._claim_holders = claim_holders
         self._dra_withheld = dra_withheld  # resources whose slices are still to be deleted
@@ -141,8 +145,9 @@ class EventLoop:
             name: hook for name, handler in handlers.items()
             if (hook := getattr(handler, "fold_may_block", None)) is not None
         }
-        self._health_steps: list[Callable[[Event], str | None]] = [
-            hook for handler in handlers.values() if (hook := getattr(handler, "health_step", None)) is not None
+        self._health_steps: list[tuple[str, Callable[[Event], str | None]]] = [
+            (name, hook) for name, handler in handlers.items()
+            if (hook := getattr(handler, "health_step", None)) is not None
         ]
         self._facts: dict[str, object] = {}
         self._built: dict[str, _Built] = {}
@@ -166,6 +171,7 @@ class EventLoop:
             else:  # let the consumers run once before the next tree replaces the one just published
                 await trio.lowlevel.checkpoint()
                 event, carried = carried, None
+            arrival = time.monotonic()  # the batch's reaction time counts from here
             batch = [event]
             lost_health = self._health_step(event) == HEALTH_LOST
             while True:
@@ -181,7 +187,7 @@ class EventLoop:
                 batch.append(event)
             changed, full_build = await self._route(batch)
             if changed:
-                await self._publish(batch, in_thread=full_build)
+                await self._publish(batch, arrival, in_thread=full_build)
             self.batches += 1
             self._batch_handled.set()
             self._batch_handled = trio.Event()
@@ -189,10 +195,11 @@ class EventLoop:
     def _health_step(self, event: Event) -> str | None:
         if not isinstance(event, UEvent):
             return None
-        for hook in self._health_steps:
+        for name, hook in self._health_steps:
             try:
                 step = hook(event)
             except Exception:
+                self._metrics.handler_error(name, "health_step")
                 log.exception("a handler failed to tell the health step of %s", describe(event),
                               extra={"EVENT": describe(event)})
                 continue
@@ -220,13 +227,13 @@ class EventLoop:
         reload_reasons: list[str] = []
         for event in batch:
             if isinstance(event, UEvent):
-                for name, handler in self._handlers.items():
-                    if not handler.subsystems or event.subsystem in handler.subsystems:
-                        changed |= await self._fold(name, event)
+                outcomes = [await self._fold(name, event) for name, handler in self._handlers.items()
+                            if not handler.subsystems or event.subsystem in handler.subsystems]
+                changed |= self._count_kernel_event("uevent", outcomes)
             elif isinstance(event, (LinkChanged, LinkSnapshot)):
-                for name, handler in self._handlers.items():
-                    if getattr(handler, "wants_links", False):
-                        changed |= await self._fold(name, event)
+                outcomes = [await self._fold(name, event) for name, handler in self._handlers.items()
+                            if getattr(handler, "wants_links", False)]
+                changed |= self._count_kernel_event("rtnetlink", outcomes)
             elif isinstance(event, ConfigChanged):
                 reload_reasons.append(event.reason)
             elif isinstance(event, (LeasesChanged, ClaimsChanged)):
@@ -237,26 +244,33 @@ class EventLoop:
         reloaded = bool(reload_reasons) and self._reload(reload_reasons)
         return changed or reloaded, bool(rescans) or reloaded
 
+    def _count_kernel_event(self, source: str, outcomes: list[str]) -> bool:
+        """Count one event by the outcomes of its folds; whether any handler's facts changed."""
+        self._metrics.kernel_event(source, metrics_outcome(outcomes))
+        return CHANGED in outcomes
+
     async def _rescan(self, name: str, event: Resync) -> bool:
         handler = self._handlers[name]
         facts = self._facts.get(name)
+        self._metrics.resyncs.labels(name).inc()
         try:
             if facts is None:
                 self._facts[name] = await trio.to_thread.run_sync(handler.scan)
             else:
                 self._facts[name] = await trio.to_thread.run_sync(handler.fold, facts, event)
         except Exception:
+            self._metrics.handler_error(name, "scan")
             log.exception("handler %s failed to scan (%s); keeping its last devices", name, event.reason,
                           extra={"EVENT": describe(event)})
             return False
         return True
 
-    async def _fold(self, name: str, event: Event) -> bool:
+    async def _fold(self, name: str, event: Event) -> str:
         """Fold ``event`` into the handler's facts: inline (microseconds), or in a worker thread
-        when the handler says it may block. Whether the facts changed."""
+        when the handler says it may block. CHANGED, UNCHANGED or FAILED (logged)."""
         facts = self._facts.get(name)
         if facts is None:
-            return False  # the first scan, still to come, will see what this event saw
+            return UNCHANGED  # the first scan, still to come, will see what this event saw
         fold = self._handlers[name].fold
         try:
             if self._fold_may_block(name, facts, event):
@@ -264,11 +278,12 @@ class EventLoop:
             else:
                 folded = fold(facts, event)
         except Exception:
+            self._metrics.handler_error(name, "fold")
             log.exception("handler %s failed on %s; keeping its last devices", name, describe(event),
                           extra={"EVENT": describe(event)})
-            return False
+            return FAILED
         self._facts[name] = folded
-        return folded is not facts
+        return UNCHANGED if folded is facts else CHANGED
 
     def _fold_may_block(self, name: str, facts: object, event: Event) -> bool:
         may_block = self._may_block.get(name)
@@ -277,6 +292,7 @@ class EventLoop:
         try:
             return may_block(facts, event)
         except Exception:  # be safe: a thread costs a little, a blocked loop costs the watchdog
+            self._metrics.handler_error(name, "fold_may_block")
             log.exception("handler %s failed to tell whether %s may block; folding it in a thread", name,
                           describe(event), extra={"EVENT": describe(event)})
             return True
@@ -293,6 +309,7 @@ class EventLoop:
         try:
             config = self._reload_config()
         except ConfigFileError as error:
+            self._metrics.config_reloads.labels("refused").inc()
             log.error("config reload refused, still serving the previous config: %s", error,
                       extra={"CONFIG_PATH": error.json_path, "EVENT": "reload"})
             return False
@@ -307,6 +324,7 @@ class EventLoop:
                  extra={"EVENT": "reload"})
         self._config = config
         self.reloads += 1
+        self._metrics.config_reloads.labels("ok").inc()
         return True
 
     def _build(self, name: str, handler: AnyHandler, configured: tuple[ConfiguredPool[Any], ...],
@@ -320,6 +338,7 @@ class EventLoop:
         try:
             built = handler.build(facts, configured) if name in self._facts else {}
         except Exception:
+            self._metrics.handler_error(name, "build")
             log.exception("handler %s failed to build its pools; keeping its last devices", name,
                           extra={"EVENT": describe_batch(batch)})
             return None
@@ -330,7 +349,8 @@ class EventLoop:
         return {name: self._build(name, handler, self._config.pools_of(name), batch)
                 for name, handler in self._handlers.items() if self._config.pools_of(name)}
 
-    async def _publish(self, batch: Sequence[Event], *, in_thread: bool) -> None:
+    async def _publish(self, batch: Sequence[Event], arrival: float, *, in_thread: bool) -> None:
+        started = time.perf_counter()
         if in_thread:  # a full build of thousands of devices takes tens of milliseconds
             builds = await trio.to_thread.run_sync(self._build_all, batch)
         else:
@@ -357,7 +377,12 @@ class EventLoop:
                                                     holds.in_use())
             pools.append(self._pool(previous, name, pool_config, devices, holds, vanished))
         tree = DeviceTree.build(previous.version + 1, pools)
-        self._notifier.publish(tree)
+        self._metrics.tree_build_duration.observe(time.perf_counter() - started)
+        self._metrics.event_arrival = arrival  # the streams stamp the lists they queue with it
+        try:
+            self._notifier.publish(tree)
+        finally:
+            self._metrics.event_arrival = None
         for resource in sorted(tree.diff(previous).listings_changed):
             pool = tree.pools.get(resource)
             if pool is not None:

@@ -39,6 +39,8 @@ class Settings:
     node_name: str = "localhost"
     kubeconfig: Path | None = None
     dra_plugin_dir: Path = Path("/var/lib/kubelet/plugins")
+    # where Prometheus scrapes /metrics (host, port); None: no metrics server
+    metrics_address: tuple[str, int] | None = None
 
     @property
     def kubelet_socket(self) -> Path:
@@ -59,6 +61,16 @@ class Settings:
         if self.registration != "auto":
             return self.registration
         return "watcher" if self.plugins_registry_dir.is_dir() else "kubelet"
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:9464``) as (host, port); ValueError if not."""
+    host, colon, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
 
 
 def dra_names_problem(driver: str, node_name: str | None) -> str | None:

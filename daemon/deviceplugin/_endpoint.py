@@ -27,6 +27,7 @@ from trio_asyncio import aio_as_trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon.core import AnyHandler, Hooks, Notifier, ResourcePool
+from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
 from daemon.supervise import Backoff
@@ -86,8 +87,10 @@ class ResourceEndpoint:
         settings: Settings,
         mode: str,
         on_change: Callable[[], None] = lambda: None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._on_change = on_change
+        self._metrics = metrics or Metrics()
         self.resource = resource
         self.handler_name = handler_name
         self._hooks = Hooks.of(handler)
@@ -133,6 +136,9 @@ class ResourceEndpoint:
             self.kick.set()
 
     def _registration_status(self, registered: bool, error: str) -> None:
+        self._metrics.register_calls.labels(self.resource).inc()
+        if not registered:
+            self._metrics.register_failures.labels(self.resource).inc()
         if registered:
             log.info("kubelet registered %s through plugins_registry", self.resource, extra={"RESOURCE": self.resource})
             self.registered = True
@@ -147,7 +153,7 @@ class ResourceEndpoint:
             socket_path = self._next_socket_path()
             self.kick.clear()
             servicer = DevicePluginServicer(
-                self.resource, self._hooks, self._notifier, self._settings.cdi_in_allocate
+                self.resource, self._hooks, self._notifier, self._settings.cdi_in_allocate, self._metrics
             )
             registration = (
                 watcher_registration(self.resource, self._registration_status)
@@ -218,6 +224,7 @@ class ResourceEndpoint:
         """Register once; return when to try again (``inf`` once registered)."""
         options = servicer.options()
         self._served_options = options
+        self._metrics.register_calls.labels(self.resource).inc()
         try:
             await aio_as_trio(register_with_kubelet)(
                 str(self._settings.kubelet_socket),
@@ -227,6 +234,7 @@ class ResourceEndpoint:
                 self._settings.register_timeout,
             )
         except grpc.aio.AioRpcError as error:
+            self._metrics.register_failures.labels(self.resource).inc()
             delay = backoff.next_delay()
             log.warning("Register %s with the kubelet failed: %s: %s; retrying in %.1fs", self.resource,
                         error.code().name, error.details(), delay, extra={"RESOURCE": self.resource})

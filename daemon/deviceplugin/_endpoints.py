@@ -27,6 +27,7 @@ from daemon.core import (
     PluginSocketRemoved,
     TreeDiff,
 )
+from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.sockets import remove_stale_sockets
 from daemon.supervise import Backoff, keep_running
@@ -43,8 +44,10 @@ class Endpoints:
         notifier: Notifier,
         handlers: Mapping[str, AnyHandler],
         nursery: trio.Nursery,
+        metrics: Metrics | None = None,
     ) -> None:
         self._settings = settings
+        self._metrics = metrics or Metrics()
         self._notifier = notifier
         self._handlers = handlers
         self._nursery = nursery
@@ -114,7 +117,7 @@ class Endpoints:
                 continue
             endpoint = ResourceEndpoint(
                 resource, pool.handler, self._handlers[pool.handler], self._notifier, self._settings, self.mode,
-                self._endpoint_changed,
+                self._endpoint_changed, self._metrics,
             )
             scope = trio.CancelScope()
             self._endpoints[resource] = (endpoint, scope)
@@ -137,6 +140,8 @@ class Endpoints:
 
     def kubelet_event(self, event: Event) -> None:
         """Pass a kubelet restart or a socket removal to every endpoint."""
+        if isinstance(event, KubeletSocketCreated):
+            self._metrics.kubelet_restarts.inc()
         for endpoint, _ in tuple(self._endpoints.values()):
             if isinstance(event, KubeletSocketCreated):
                 endpoint.kubelet_started()

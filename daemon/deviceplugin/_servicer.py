@@ -28,6 +28,7 @@ from daemon.core import (
     ResourcePool,
     allocate_container,
 )
+from daemon.metrics import Metrics
 from daemon.sockets import refuse
 
 log = logging.getLogger("devplugd.server")
@@ -65,16 +66,22 @@ class StreamMailbox:
     which a listed device became Unhealthy: that one is *urgent*. It is sent at once, without
     the coalescing delay, and nothing replaces it but a newer urgent pool whose Unhealthy devices
     include all of its own (so nothing Unhealthy is hidden). A PCIe recovery that ends 0.3 ms
-    after it began reaches the kubelet as two lists, the Unhealthy one first."""
+    after it began reaches the kubelet as two lists, the Unhealthy one first.
+
+    Each waiting pool carries when the oldest event it answers reached the event loop (a pool
+    that replaces others takes the oldest of theirs): ``taken_arrival`` is that of the pool
+    ``next_pool`` returned last, for the reaction-time histogram."""
 
     def __init__(self, pool: ResourcePool | None = None) -> None:
         self._wakeup = asyncio.Event()
-        self._pending: list[tuple[ResourcePool | None, frozenset[str] | None]] = []  # (pool, unhealthy if urgent)
+        # (pool, unhealthy if urgent, event arrival)
+        self._pending: list[tuple[ResourcePool | None, frozenset[str] | None, float | None]] = []
         self._last_offered = pool  # what the next pool is compared with
         self._closed = False
         self._offered_at = 0.0
+        self.taken_arrival: float | None = None
 
-    def offer(self, pool: ResourcePool | None) -> None:
+    def offer(self, pool: ResourcePool | None, arrival: float | None = None) -> None:
         self._offered_at = time.monotonic()
         previous, self._last_offered = self._last_offered, pool
         unhealthy = _unhealthy(pool)
@@ -85,8 +92,11 @@ class StreamMailbox:
             kept = pending[-1][1]
             if kept is not None and (urgent is None or not kept <= urgent):
                 break
-            pending.pop()  # conflated: a plain pool, or an urgent one whose Unhealthy devices are still so
-        pending.append((pool, urgent))
+            # conflated: a plain pool, or an urgent one whose Unhealthy devices are still so
+            replaced = pending.pop()[2]
+            if replaced is not None and (arrival is None or replaced < arrival):
+                arrival = replaced
+        pending.append((pool, urgent, arrival))
         if len(pending) > MAX_PENDING:
             del pending[:-MAX_PENDING]
         self._wakeup.set()
@@ -125,7 +135,8 @@ class StreamMailbox:
                 await self._wait(remaining)
                 if self._closed:
                     raise _StreamClosed
-        return self._pending.pop(0)[0]
+        pool, _, self.taken_arrival = self._pending.pop(0)
+        return pool
 
 
 def device_message(device_id: str, health: str, numa_nodes: tuple[int, ...]) -> dp.Device:
@@ -209,8 +220,10 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     """DevicePlugin for one resource. Allocate reads the notifier's current tree; ListAndWatch
     streams hear of changes through ``offer``, which the resource's endpoint calls."""
 
-    def __init__(self, resource: str, hooks: Hooks, notifier: Notifier, with_cdi: bool = False) -> None:
+    def __init__(self, resource: str, hooks: Hooks, notifier: Notifier, with_cdi: bool = False,
+                 metrics: Metrics | None = None) -> None:
         self._with_cdi = with_cdi
+        self._metrics = metrics or Metrics()
         self.resource = resource
         self._hooks = hooks
         self._notifier = notifier
@@ -222,8 +235,9 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
 
     def offer(self, pool: ResourcePool | None) -> None:
         """The resource's list changed: every open stream gets the newest pool."""
+        arrival = self._metrics.event_arrival
         for mailbox in self._streams:
-            mailbox.offer(pool)
+            mailbox.offer(pool, arrival)
 
     def close_streams(self) -> None:
         """End every open ListAndWatch stream (before the server stops or we register again)."""
@@ -258,13 +272,15 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         try:
             last_listing = pool.listing if pool is not None else ()
             yield self._messages.response(pool)
+            self._metrics.listandwatch_sent(self.resource, None)
             last_sent = time.monotonic()
             while True:
                 pool = await mailbox.next_pool(last_sent)
                 listing = pool.listing if pool is not None else ()
                 if listing != last_listing:
                     last_listing = listing
-                    yield self._messages.response(pool)
+                    yield self._messages.response(pool)  # back here once grpc has written it
+                    self._metrics.listandwatch_sent(self.resource, mailbox.taken_arrival)
                     last_sent = time.monotonic()
         except _StreamClosed:
             return
@@ -272,6 +288,14 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
             self._streams.discard(mailbox)
 
     async def Allocate(
+        self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[dp.AllocateRequest, dp.AllocateResponse]
+    ) -> dp.AllocateResponse:
+        self._metrics.allocate_calls.labels(self.resource).inc()
+        with self._metrics.allocate_duration.labels(self.resource).time(), \
+                self._metrics.allocate_refusals.labels(self.resource).count_exceptions():
+            return await self._allocate(request, context)
+
+    async def _allocate(
         self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[dp.AllocateRequest, dp.AllocateResponse]
     ) -> dp.AllocateResponse:
         if not request.container_requests:
@@ -292,6 +316,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                 log.error("Allocate failed for %s: %s", self.resource, error, extra={"RESOURCE": self.resource})
                 await refuse(context, grpc.StatusCode.FAILED_PRECONDITION, f"container request {index}: {error}")
             except HandlerFailed as error:
+                self._metrics.handler_error(self._hooks.name, "allocate")
                 log.error("Allocate failed for %s: %s", self.resource, error, exc_info=error.__cause__,
                           extra={"RESOURCE": self.resource})
                 await refuse(context, grpc.StatusCode.INTERNAL, f"container request {index}: {error}")
@@ -305,11 +330,21 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         (AllocationError) as it said it; anything else is a bug in the handler, logged."""
         if isinstance(error, AllocationError):
             return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+        self._metrics.handler_error(self._hooks.name, hook)
         log.exception("handler %s failed in %s for %s", self._hooks.name, hook, self.resource,
                       extra={"RESOURCE": self.resource})
         return grpc.StatusCode.INTERNAL, f"handler {self._hooks.name} failed in {hook}: {type(error).__name__}: {error}"
 
     async def GetPreferredAllocation(
+        self,
+        request: dp.PreferredAllocationRequest,
+        context: grpc.aio.ServicerContext[dp.PreferredAllocationRequest, dp.PreferredAllocationResponse],
+    ) -> dp.PreferredAllocationResponse:
+        self._metrics.preferred_calls.labels(self.resource).inc()
+        with self._metrics.preferred_refusals.labels(self.resource).count_exceptions():
+            return await self._preferred_allocation(request, context)
+
+    async def _preferred_allocation(
         self,
         request: dp.PreferredAllocationRequest,
         context: grpc.aio.ServicerContext[dp.PreferredAllocationRequest, dp.PreferredAllocationResponse],

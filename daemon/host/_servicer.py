@@ -40,6 +40,7 @@ from daemon.core import (
     ResourcePool,
     allocate_container,
 )
+from daemon.metrics import Metrics
 from daemon.sockets import refuse, remove_socket_file, start_unix_server
 
 from ._leases import Lease, LeaseBook, LeaseError, NotEnoughFree
@@ -62,7 +63,9 @@ class HostServicer(host_grpc.HostServicer):
         leases_changed: Callable[[], None],
         with_cdi: bool = True,
         claim_holders: Callable[[], Mapping[tuple[str, str], str]] = dict,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._metrics = metrics or Metrics()
         self._notifier = notifier
         self._hooks = {name: Hooks.of(handler) for name, handler in handlers.items()}
         self._leases = leases
@@ -202,6 +205,17 @@ class HostServicer(host_grpc.HostServicer):
     async def Allocate(
         self, request: host.AllocateRequest, context: grpc.aio.ServicerContext[host.AllocateRequest, host.Lease]
     ) -> host.Lease:
+        try:
+            lease = await self._grant(request, context)
+        except Exception:
+            self._metrics.host_leases.labels("refused").inc()
+            raise
+        self._metrics.host_leases.labels("granted").inc()
+        return lease
+
+    async def _grant(
+        self, request: host.AllocateRequest, context: grpc.aio.ServicerContext[host.AllocateRequest, host.Lease]
+    ) -> host.Lease:
         tree = self._notifier.tree
         pool = tree.pools.get(request.resource)
         if pool is None:
@@ -253,6 +267,7 @@ class HostServicer(host_grpc.HostServicer):
             await refuse(context, grpc.StatusCode.INTERNAL, f"release failed: {error}")
         log.info("released %s (%s of %s, owner %s)", lease.lease, ",".join(lease.devices), lease.resource,
                  lease.owner, extra={"RESOURCE": lease.resource, "EVENT": "release"})
+        self._metrics.host_leases.labels("released").inc()
         self._leases_changed()
         return host.ReleaseResponse()
 

@@ -48,6 +48,11 @@ class PciDetails:
     members: tuple[PciDetails, ...] = ()
 
     @property
+    def pci_address(self) -> str:
+        """The device's own PCI address (its lowest function's, for a group), for the metrics."""
+        return self.device.address
+
+    @property
     def functions(self) -> tuple[PciDetails, ...]:
         """Every function handed out with this device: itself, then its group's others."""
         return (self, *self.members) if self.members else (self,)

@@ -1,0 +1,17 @@
+"""Prometheus metrics: what the cluster sees of one daemon, served at ``--metrics-address``.
+
+``Metrics`` is one daemon's set: its own ``CollectorRegistry`` (never the global one, so tests
+run several daemons in one process), the counters and histograms the event loop, the endpoints
+and the host API feed through thin calls, and ``TreeCollector``, a subscriber of the notifier
+whose gauges and info series are read at scrape time from the one tree it last heard of (a
+scrape while the tree changes sees one whole tree, never half of two). ``MetricsServer`` is
+prometheus_client's HTTP server in its own thread, so a scrape never waits on the trio loop, nor
+the loop on a scrape. Off unless ``--metrics-address`` is given: the instruments still count (a
+few hundred nanoseconds each), nobody reads them.
+"""
+
+from ._instruments import CHANGED, FAILED, IGNORED, UNCHANGED, Metrics, metrics_outcome
+from ._server import MetricsServer
+from ._tree import TreeCollector
+
+__all__ = ["CHANGED", "FAILED", "IGNORED", "UNCHANGED", "Metrics", "MetricsServer", "TreeCollector", "metrics_outcome"]

@@ -1,0 +1,111 @@
+"""One daemon's counters and histograms, and the registry that serves them with the tree's
+gauges. The daemon's parts get this object passed down and call its small methods."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+)
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+
+from ._tree import TreeCollector
+
+# An event to the kubelet's list takes a few milliseconds; a burst is held up to 250 ms
+# (COALESCE_MAX_DELAY); a loaded machine or a handler in a worker thread, seconds.
+REACTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ALLOCATE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+BUILD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+# the values of the labels with a fixed set (nothing event-specific: bounded by pools and handlers)
+CHANGED, UNCHANGED, FAILED, IGNORED = "changed", "unchanged", "failed", "ignored"
+
+
+class Metrics:
+    """Everything one daemon counts. ``standard`` adds the process, platform and GC collectors
+    (the daemon's own set; tests that build many loops leave them out: the GC collector hooks
+    ``gc.callbacks``)."""
+
+    def __init__(self, device_plugin_dir: Path | None = None, *, standard: bool = False) -> None:
+        registry = self.registry = CollectorRegistry()
+        self.tree = TreeCollector(device_plugin_dir)
+        registry.register(self.tree)
+        if standard:
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        # when the events of the tree being published reached the event loop (monotonic seconds):
+        # set around ``Notifier.publish`` so that ListAndWatch streams stamp the list they queue
+        self.event_arrival: float | None = None
+
+        def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, documentation, labels, registry=registry)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...],
+                      labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, documentation, labels, registry=registry, buckets=buckets)
+
+        self.kernel_events = counter(
+            "devplugd_kernel_events", "Kernel events the event loop handled, by source (uevent, rtnetlink) and "
+            "outcome (changed: a handler's facts changed; unchanged; failed: a handler raised; ignored: no "
+            "handler wants it).", ("source", "outcome"))
+        self.resyncs = counter("devplugd_resyncs", "Full rescans asked for (start, a source's overflow), per "
+                               "handler rescanned.", ("handler",))
+        self.config_reloads = counter("devplugd_config_reloads", "Config reloads, by outcome (ok, refused).",
+                                      ("outcome",))
+        self.handler_errors = counter("devplugd_handler_errors", "Exceptions raised by a handler's hook, "
+                                      "contained (the last good devices kept).", ("handler", "hook"))
+        self.register_calls = counter("devplugd_register_calls", "Registrations with the kubelet tried "
+                                      "(Register on kubelet.sock, or the plugin watcher's status).", ("resource",))
+        self.register_failures = counter("devplugd_register_failures", "Registrations with the kubelet that "
+                                         "failed or were refused.", ("resource",))
+        self.kubelet_restarts = counter("devplugd_kubelet_restarts", "Kubelet restarts seen (kubelet.sock "
+                                        "created again).")
+        self.listandwatch_messages = counter("devplugd_listandwatch_messages", "ListAndWatch messages sent to "
+                                             "the kubelet (each the full list of one resource).", ("resource",))
+        self.allocate_calls = counter("devplugd_allocate_calls", "Allocate calls from the kubelet.", ("resource",))
+        self.allocate_refusals = counter("devplugd_allocate_refusals", "Allocate calls answered with an error.",
+                                         ("resource",))
+        self.preferred_calls = counter("devplugd_preferred_allocation_calls", "GetPreferredAllocation calls from "
+                                       "the kubelet.", ("resource",))
+        self.preferred_refusals = counter("devplugd_preferred_allocation_refusals", "GetPreferredAllocation calls "
+                                          "answered with an error.", ("resource",))
+        self.host_leases = counter("devplugd_host_leases", "Host lease requests and releases, by outcome "
+                                   "(granted, refused, released).", ("outcome",))
+        self.reaction = histogram(
+            "devplugd_event_to_listandwatch_seconds", "From an event reaching the event loop to the ListAndWatch "
+            "message that includes its tree being sent to the kubelet.", REACTION_BUCKETS, ("resource",))
+        self.allocate_duration = histogram("devplugd_allocate_duration_seconds", "Time to answer an Allocate "
+                                           "call (refusals included).", ALLOCATE_BUCKETS, ("resource",))
+        self.tree_build_duration = histogram("devplugd_tree_build_duration_seconds", "Time to build a new "
+                                             "DeviceTree from the handlers' facts.", BUILD_BUCKETS)
+
+    def kernel_event(self, source: str, outcome: str) -> None:
+        self.kernel_events.labels(source, outcome).inc()
+
+    def handler_error(self, handler: str, hook: str) -> None:
+        self.handler_errors.labels(handler, hook).inc()
+
+    def listandwatch_sent(self, resource: str, event_arrival: float | None) -> None:
+        """A message went to the kubelet; ``event_arrival`` is when the oldest event it answers
+        reached the event loop (``None``: a stream's first list, which answers no event)."""
+        self.listandwatch_messages.labels(resource).inc()
+        if event_arrival is not None:
+            self.reaction.labels(resource).observe(time.monotonic() - event_arrival)
+
+
+def metrics_outcome(fold_outcomes: list[str]) -> str:
+    """One event's outcome from its folds by each handler that wants it: FAILED if any raised,
+    else CHANGED if any handler's facts changed, UNCHANGED, or IGNORED when no handler wants it."""
+    if not fold_outcomes:
+        return IGNORED
+    for outcome in (FAILED, CHANGED):
+        if outcome in fold_outcomes:
+            return outcome
+    return UNCHANGED
