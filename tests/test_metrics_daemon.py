@@ -27,7 +27,9 @@ from tests.waiting import wait_until
 CONFIG = {"resourceList": [{"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}}]}
 DPDK = "intel.com/dpdk"
 # the README's reaction-time p99
-P99 = "histogram_quantile(0.99, sum by (le) (rate(devplugd_event_to_listandwatch_seconds_bucket[1m])))"
+P99 = "histogram_quantile(0.99, sum by (le) (rate(devplugd_event_to_listandwatch_seconds_bucket[5m])))"
+# and its "which pod holds which VF"
+HOLDERS = "devplugd_device_allocation_info * on (resource, device) group_left (pci_address) devplugd_device_info"
 
 
 def metrics_url(daemon: DaemonProcess) -> str:
@@ -208,7 +210,8 @@ def prometheus(short_tmp: Path):
 
 def test_a_real_prometheus_scrapes_the_daemon_and_sees_a_hotplug(host, kubelet, run_daemon, seam, prometheus):
     host.add_pf(PF, netdev="ens1f0")
-    create_vfs(host, None, 0, 2)
+    (held, _) = create_vfs(host, None, 0, 2)
+    kubelet.write_checkpoint({DPDK: [held]}, pod="uid-9", container="app")
     daemon, url = start(run_daemon, seam)
     kubelet.wait_for_devices(DPDK, 2)
     target = urllib.parse.urlsplit(url).netloc
@@ -231,7 +234,9 @@ def test_a_real_prometheus_scrapes_the_daemon_and_sees_a_hotplug(host, kubelet, 
                interval=0.2)
     assert query_value(base, 'up{job="devplugd"}') == 1
     assert query_value(base, "python_info") == 1  # the standard collectors came along
-    api(base, "/api/v1/query", query=P99)  # the README's p99 is valid PromQL over our series
+    api(base, "/api/v1/query", query=P99)  # the README's queries are valid PromQL over our series
+    (holder,) = api(base, "/api/v1/query", query=HOLDERS)["result"]
+    assert holder["metric"]["pci_address"] == held and holder["metric"]["pod_uid"] == "uid-9"
     assert daemon.stop() == 0
 
 
