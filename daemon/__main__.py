@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--devinfo-dir", type=Path, default=DEFAULTS.devinfo_dir,
                      help="where Multus device-info files are written (default: %(default)s)")
     run.add_argument("--cdi-dir", type=Path, default=DEFAULTS.cdi_dir, help="CDI spec directory (default: %(default)s)")
+    run.add_argument("--nfd-features-dir", type=Path, default=DEFAULTS.nfd_features_dir,
+                     help="node-feature-discovery's features.d: node labels per pool are written there when it "
+                          "exists (default: %(default)s)")
     run.add_argument("--state-dir", type=Path, default=DEFAULTS.state_dir,
                      help="state directory (default: %(default)s)")
     run.add_argument("--uevent-source", default=DEFAULTS.uevent_source, metavar="auto|udev|kernel|none|unix:PATH",
@@ -145,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         registration=arguments.registration,
         devinfo_dir=arguments.devinfo_dir,
         cdi_dir=arguments.cdi_dir,
+        nfd_features_dir=arguments.nfd_features_dir,
         state_dir=arguments.state_dir,
         uevent_source=arguments.uevent_source,
         udev_data_dir=arguments.udev_data_dir,

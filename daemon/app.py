@@ -3,8 +3,9 @@
 ``run(settings)`` is all the CLI calls. It reads like a table of contents: load the handlers and
 the config (exit 2 on a bad one), then inside trio (with the asyncio loop that hosts grpc.aio)
 subscribe the consumers of the tree to the notifier (the device-plugin endpoints, the CDI
-writer, the STATUS line; host Watch streams subscribe themselves), serve the host API, start the
-event loop and the sources (inotify, uevents, rtnetlink), put the first ``Resync`` on the bus,
+writer, the NFD node labels, the STATUS line; host Watch streams subscribe themselves), serve the
+host API, start the event loop and the sources (inotify, uevents, rtnetlink), put the first
+``Resync`` on the bus,
 and serve until SIGTERM/SIGINT (SIGHUP reloads the config); then every endpoint ends its
 streams, stops its server and removes its socket, and the handlers clean their side files.
 
@@ -50,6 +51,7 @@ from daemon.dra import DraDriver
 from daemon.host import HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
 from daemon.metrics import Metrics, MetricsServer
+from daemon.nfd import NfdFeatures
 from daemon.service import ServiceManager, StatusReporter
 from daemon.settings import Settings, dra_names_problem
 from daemon.sources.inotify import InotifySource
@@ -155,6 +157,7 @@ async def _serve(
     leases.load()
     cdi = CdiWriter(settings.cdi_dir)
     cdi.remove_all()
+    labels = NfdFeatures(settings.nfd_features_dir)
     parsers = parser_table(handlers)  # a reload is validated by the handlers that serve it
 
     def reload_config() -> DaemonConfig:
@@ -183,10 +186,11 @@ async def _serve(
                 dra = DraDriver(settings, handlers, notifier, send, nursery, inotify.add_socket_dir, leases.holders)
                 if config.dra_pools:
                     dra.warm_up()
-                for consumer in (endpoints, dra, cdi, status):
+                for consumer in (endpoints, dra, cdi, labels, status):
                     notifier.subscribe(consumer)
                 nursery.start_soon(_follow_kubelet, kubelet_receive, endpoints, dra)
                 nursery.start_soon(keep_running, "the CDI writer", cdi.run, Backoff(first=0.1, maximum=10.0))
+                nursery.start_soon(keep_running, "the node labels", labels.run, Backoff(first=0.1, maximum=10.0))
                 loop = EventLoop(handlers, config, notifier, reload_config, service, leases.holders,
                                  settings.device_plugin_dir, claim_holders=dra.holders, dra_withheld=dra.withheld,
                                  metrics=metrics)

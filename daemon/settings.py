@@ -26,6 +26,7 @@ class Settings:
     registration: str = "auto"
     devinfo_dir: Path = Path("/var/run/k8s.cni.cncf.io/devinfo/dp")
     cdi_dir: Path = Path("/var/run/cdi")
+    nfd_features_dir: Path = Path("/etc/kubernetes/node-feature-discovery/features.d")
     state_dir: Path = Path("/var/lib/devplugd")
     uevent_source: str = "auto"
     udev_data_dir: Path = Path("/run/udev/data")

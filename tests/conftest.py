@@ -113,6 +113,7 @@ def run_daemon(short_tmp: Path, host: FakeHost) -> Iterator[Callable[..., Daemon
             "--plugins-registry-dir", str(short_tmp / "plugins_registry"),
             "--devinfo-dir", str(short_tmp / "devinfo"),
             "--control-socket", str(short_tmp / "control.sock"), "--cdi-dir", str(short_tmp / "cdi"),
+            "--nfd-features-dir", str(short_tmp / "nfd"),
             "--state-dir", str(short_tmp / "state"),
             "--registration", registration, "--log-level", "debug", *extra,
         ]

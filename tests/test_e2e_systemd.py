@@ -92,6 +92,8 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
     tarball = image.with_depends(relations(fields))
     binds = ["/dev/kvm"] if os.path.exists("/dev/kvm") else []  # the example config's kvm pool
     with Container(tarball, boot=False, binds=binds) as container:
+        # node-feature-discovery installed: devplugd labels the node, and its purge must take the labels
+        (container.root / NFD_FEATURES.lstrip("/")).mkdir(parents=True)
         before_install = tree_file_list(container.root)
         chroot_started = time.monotonic()
         install_in_chroot(container, deb)
@@ -117,6 +119,9 @@ def deployment(request: pytest.FixtureRequest) -> Iterator[Deployment]:
 def kubelet(deployment: Deployment) -> Iterator[KubeletStandIn]:
     yield deployment.kubelet
     deployment.kubelet.stop()
+
+
+NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d"
 
 
 def _device_node_pools(deployment: Deployment) -> dict[str, int]:
@@ -246,6 +251,23 @@ def test_kubelet_stand_in_sees_the_pools_registered(deployment: Deployment, kube
     served = len(kubelet.registered())
     wait_for_state(deployment.container, UNIT, lambda s: s.status_text.endswith(f"kubelet: all {served} registered"),
                    10, "STATUS to show the registrations")
+
+
+def test_node_labels_name_each_pool_and_its_device_count(deployment: Deployment) -> None:
+    counts = _device_node_pools(deployment)
+    wanted: set[str] = set()
+    for entry in deployment.config()["resourceList"]:
+        resource = f"{entry.get('resourcePrefix', 'intel.com')}/{entry['resourceName']}"
+        count = counts.get(resource, 0)
+        wanted.add(f"devplugd.io/{entry['resourceName']}.count={count}")
+        if count:
+            wanted.add(f"devplugd.io/{entry['resourceName']}.present=true")
+    path = deployment.container.root / NFD_FEATURES.lstrip("/") / "devplugd"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (path.exists() and set(path.read_text().splitlines()) == wanted):
+        time.sleep(0.1)
+    assert path.exists() and set(path.read_text().splitlines()) == wanted, (
+        path.read_text() if path.exists() else "no features file", wanted)
 
 
 # -- reload -----------------------------------------------------------------------------------------
