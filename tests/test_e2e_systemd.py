@@ -270,6 +270,21 @@ def test_node_labels_name_each_pool_and_its_device_count(deployment: Deployment)
         path.read_text() if path.exists() else "no features file", wanted)
 
 
+def test_metrics_are_served_on_localhost_as_the_default_file_says(deployment: Deployment) -> None:
+    """/etc/default/devplugd passes --metrics-address 127.0.0.1:9464, and the unit's sandbox
+    (AF_INET, IPAddressAllow=localhost) lets the daemon serve it there."""
+    scrape = ("import urllib.request; "
+              "print(urllib.request.urlopen('http://127.0.0.1:9464/metrics', timeout=5).read().decode())")
+    deadline = time.monotonic() + 10
+    while True:
+        result = deployment.run([deployment.python, "-c", scrape], check=False)
+        if result.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert result.returncode == 0, result.stderr
+    assert "devplugd_pool_devices{" in result.stdout and "process_resident_memory_bytes" in result.stdout
+
+
 # -- reload -----------------------------------------------------------------------------------------
 def test_systemctl_reload_applies_a_changed_config(deployment: Deployment, kubelet: KubeletStandIn) -> None:
     """The change is made where only `systemctl reload` can see it: the config becomes a symlink
