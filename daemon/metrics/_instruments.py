@@ -86,8 +86,15 @@ class Metrics:
         self.tree_build_duration = histogram("devplugd_tree_build_duration_seconds", "Time to build a new "
                                              "DeviceTree from the handlers' facts.", BUILD_BUCKETS)
 
+        # the per-event counter's children, looked up once each (labels() costs a lock and a few
+        # microseconds, as much as a fold)
+        self._kernel_event_children: dict[tuple[str, str], Counter] = {}
+
     def kernel_event(self, source: str, outcome: str) -> None:
-        self.kernel_events.labels(source, outcome).inc()
+        child = self._kernel_event_children.get((source, outcome))
+        if child is None:
+            child = self._kernel_event_children[(source, outcome)] = self.kernel_events.labels(source, outcome)
+        child.inc()
 
     def handler_error(self, handler: str, hook: str) -> None:
         self.handler_errors.labels(handler, hook).inc()
