@@ -1,13 +1,14 @@
 """The life of the daemon, in order: load → start → serve → stop.
 
 ``run(settings)`` is all the CLI calls. It reads like a table of contents: load the handlers and
-the config (exit 2 on a bad one), then inside trio (with the asyncio loop that hosts grpc.aio)
-subscribe the consumers of the tree to the notifier (the device-plugin endpoints, the CDI
-writer, the NFD node labels, the STATUS line; host Watch streams subscribe themselves), serve the
+the config (exit 2 on a bad one), start the metrics server when ``--metrics-address`` asks (exit
+2 when it cannot bind), then inside trio (with the asyncio loop that hosts grpc.aio) subscribe
+the consumers of the tree to the notifier (the device-plugin endpoints, the CDI writer, the NFD
+node labels, the metrics, the STATUS line; host Watch streams subscribe themselves), serve the
 host API, start the event loop and the sources (inotify, uevents, rtnetlink), put the first
-``Resync`` on the bus,
-and serve until SIGTERM/SIGINT (SIGHUP reloads the config); then every endpoint ends its
-streams, stops its server and removes its socket, and the handlers clean their side files.
+``Resync`` on the bus, and serve until SIGTERM/SIGINT (SIGHUP reloads the config); then every
+endpoint ends its streams, stops its server and removes its socket, and the handlers clean
+their side files.
 
 One uevent, from the kernel to the kubelet: ``sources/uevents.py`` puts it on the bus →
 ``loop.py`` folds it into a handler's facts and builds the next tree → ``core/_notifier.py``
