@@ -25,10 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import trio
-
-from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, DeviceTree, LatestValue, Mount, ResourcePool
+from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, DeviceTree, Mount, ResourcePool
 from daemon.files import write_atomically
+from daemon.follow import TreeFollower
 
 log = logging.getLogger("devplugd.cdi")
 
@@ -142,31 +141,16 @@ def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments
     return content, fragments
 
 
-class CdiWriter:
-    """Keeps the spec files in step with the newest tree: a subscriber of the notifier. ``run``
-    is a task of its own, woken by ``offer``, writing SETTLE_SECONDS after a change: spec writing
-    never delays a ListAndWatch message, and a burst of trees is written once."""
+class CdiWriter(TreeFollower):
+    """Keeps the spec files in step with the newest tree: a subscriber of the notifier, writing
+    SETTLE_SECONDS after a change in a worker thread (encoding a pool of thousands of devices
+    takes milliseconds: not on the event loop)."""
 
     def __init__(self, directory: Path) -> None:
-        self._wakeup = trio.Event()
-        self._latest: LatestValue[DeviceTree] = LatestValue(lambda: self._wakeup.set())
+        super().__init__(self.update, SETTLE_SECONDS)
         self._directory = directory
         self._written: dict[str, bytes] = {}
         self._built: dict[str, tuple[ResourcePool, bytes, _Fragments]] = {}  # resource -> its last spec
-
-    def offer(self, tree: DeviceTree) -> None:
-        self._latest.put(tree)
-
-    async def run(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            # Let the ListAndWatch streams go first, and write a burst of trees once.
-            await trio.sleep(SETTLE_SECONDS)
-            self._wakeup = trio.Event()
-            full, tree = self._latest.take()
-            if full and tree is not None:
-                # Encoding a pool of thousands of devices takes milliseconds: not on the event loop.
-                await trio.to_thread.run_sync(self.update, tree)
 
     def remove_all(self) -> None:
         """Remove every devplugd CDI spec of a pool (at start and at stop); claims' specs stay."""

@@ -29,10 +29,9 @@ import logging
 import re
 from pathlib import Path
 
-import trio
-
-from daemon.core import DeviceTree, LatestValue
+from daemon.core import DeviceTree
 from daemon.files import write_atomically
+from daemon.follow import TreeFollower
 
 log = logging.getLogger("devplugd.nfd")
 
@@ -73,32 +72,18 @@ def features_text(tree: DeviceTree) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-class NfdFeatures:
-    """Keeps ``<directory>/devplugd`` in step with the newest tree: a subscriber of the notifier
-    (``offer``) with a task of its own (``run``)."""
+class NfdFeatures(TreeFollower):
+    """Keeps ``<directory>/devplugd`` in step with the newest tree: a subscriber of the notifier."""
 
     def __init__(self, directory: Path) -> None:
+        super().__init__(self.update, SETTLE_SECONDS)
         self._directory = directory
-        self._wakeup = trio.Event()
-        self._latest: LatestValue[DeviceTree] = LatestValue(lambda: self._wakeup.set())
         self._written: str | None = None
         self._last_error: str | None = None
 
     @property
     def path(self) -> Path:
         return self._directory / FILE_NAME
-
-    def offer(self, tree: DeviceTree) -> None:
-        self._latest.put(tree)
-
-    async def run(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            await trio.sleep(SETTLE_SECONDS)
-            self._wakeup = trio.Event()
-            full, tree = self._latest.take()
-            if full and tree is not None:
-                await trio.to_thread.run_sync(self.update, tree)
 
     def update(self, tree: DeviceTree) -> None:
         if not self._directory.is_dir():
