@@ -18,6 +18,7 @@ its endpoint → ``deviceplugin/_servicer.py`` sends the ListAndWatch message.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -57,7 +58,7 @@ from daemon.service import ServiceManager, StatusReporter
 from daemon.settings import Settings, dra_names_problem
 from daemon.sources.inotify import InotifySource
 from daemon.sources.links import LinkSource
-from daemon.sources.uevents import carries_udev_properties, make_uevent_source
+from daemon.sources.uevents import carries_udev_properties, make_uevent_source, resolve_uevent_source
 from daemon.supervise import Backoff, keep_running
 
 log = logging.getLogger("devplugd")
@@ -91,6 +92,8 @@ def load(
 
 
 def run(settings: Settings) -> int:
+    # ``auto`` decided once: the handlers (reading udev's database or not) and the source agree
+    settings = dataclasses.replace(settings, uevent_source=resolve_uevent_source(settings.uevent_source))
     host_changes = HostChanges()
     try:
         handlers, config = load(settings, host_changes=host_changes)

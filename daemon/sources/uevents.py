@@ -79,8 +79,7 @@ def make_uevent_source(spec: str, subsystems: frozenset[str], *, udev_control: P
     ``subsystems`` keeps only events of those subsystems (empty: all). Raises ``ValueError`` for
     a spec that names no source. Nothing is opened here: ``run`` opens and closes its socket.
     """
-    if spec == "auto":
-        spec = "udev" if udev_control.exists() else "kernel"
+    spec = resolve_uevent_source(spec, udev_control=udev_control)
     if spec == "kernel":
         return KernelUEventSource(subsystems)
     if spec == "udev":
@@ -92,13 +91,20 @@ def make_uevent_source(spec: str, subsystems: frozenset[str], *, udev_control: P
     raise ValueError(f"--uevent-source: {spec!r} is not one of auto, udev, kernel, none, unix:PATH")
 
 
+def resolve_uevent_source(spec: str, *, udev_control: Path = UDEV_CONTROL) -> str:
+    """``auto`` as the source it stands for now: ``udev`` when udevd runs (``/run/udev/control``
+    exists), else ``kernel``; any other spec as it is."""
+    if spec == "auto":
+        return "udev" if udev_control.exists() else "kernel"
+    return spec
+
+
 def carries_udev_properties(spec: str, *, udev_control: Path = UDEV_CONTROL) -> bool:
     """Whether the source ``spec`` names delivers udev's properties: ``udev`` (``auto`` with a
     running udevd) does, and so does ``unix:PATH`` (tests feed it udev's messages as well as the
     kernel's); the handlers then also read udev's database at scan time."""
-    if spec == "auto":
-        return udev_control.exists()
-    return spec == "udev" or spec.startswith("unix:")
+    resolved = resolve_uevent_source(spec, udev_control=udev_control)
+    return resolved == "udev" or resolved.startswith("unix:")
 
 
 def _unix_path(raw: str) -> Path:
