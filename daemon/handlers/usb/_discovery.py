@@ -38,7 +38,9 @@ USB_DEVICES = Path("bus/usb/devices")
 DEVICE_NAME = re.compile(r"[0-9]+-[0-9]+(\.[0-9]+)*")
 ROOT_HUB = re.compile(r"usb[0-9]+")
 STABLE_SERIAL = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-SKIPPED_DIRS = frozenset({"power", "subsystem", "driver", "device", "firmware_node", "port"})
+# directories below an interface that hold no class device (its links, driver, subsystem, device,
+# port, are never followed: only real directories are walked)
+SKIPPED_DIRS = frozenset({"power"})
 
 
 @dataclass(frozen=True, slots=True)
