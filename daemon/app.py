@@ -132,7 +132,7 @@ def _serve_metrics(settings: Settings, metrics: Metrics) -> MetricsServer | None
     """The metrics server in its own thread, when ``--metrics-address`` is given. Raises OSError."""
     if settings.metrics_address is None:
         return None
-    server = MetricsServer(metrics.registry, settings.metrics_address)
+    server = MetricsServer(metrics.registry, settings.metrics_address, metrics.liveness)
     log.info("metrics: serving http://%s/metrics", _address((settings.metrics_address[0], server.port)))
     return server
 
@@ -175,6 +175,7 @@ async def _serve(
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(service.keep_watchdog_fed, os.environ)
+                nursery.start_soon(metrics.liveness.keep_beating)
                 send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
                 kubelet_send, kubelet_receive = trio.open_memory_channel[Event](KUBELET_EVENTS_CAPACITY)
                 endpoints = Endpoints(settings, notifier, handlers, nursery, metrics)

@@ -9,17 +9,20 @@ import asyncio
 import json
 import logging
 import threading
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import pytest
+import trio
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.checkpoint import CHECKPOINT_NAME
 from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, DeviceTree, ResourcePool
 from daemon.deviceplugin._servicer import StreamMailbox
-from daemon.metrics import CHANGED, FAILED, IGNORED, UNCHANGED, Metrics, metrics_outcome
+from daemon.metrics import CHANGED, FAILED, IGNORED, UNCHANGED, Liveness, Metrics, MetricsServer, metrics_outcome
 from daemon.settings import parse_host_port
 
 
@@ -203,3 +206,51 @@ def test_metrics_address_is_host_and_port(text, address):
 def test_a_metrics_address_without_host_or_port_is_refused(text):
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_host_port(text)
+
+
+class SteppedClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_healthz_turns_503_naming_the_silence_when_the_loop_stops_beating_and_metrics_stay_served() -> None:
+    clock = SteppedClock()
+    liveness = Liveness(clock=clock)
+    metrics = Metrics()
+    metrics.config_reloads.labels(outcome="ok").inc()
+    server = MetricsServer(metrics.registry, ("127.0.0.1", 0), liveness)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        assert http_get(f"{base}/healthz") == (200, "ok\n")
+        clock.now += 10.0  # the watchdog's limit: still alive
+        assert http_get(f"{base}/healthz")[0] == 200
+        clock.now += 1.5
+        assert http_get(f"{base}/healthz") == (503, "the event loop has not run for 11.5s\n")
+        status, text = http_get(f"{base}/metrics")  # a wedged loop does not stop the scrape
+        assert status == 200 and 'devplugd_config_reloads_total{outcome="ok"} 1.0' in text
+        liveness.beat()
+        assert http_get(f"{base}/healthz") == (200, "ok\n")
+    finally:
+        server.close()
+
+
+async def test_the_loop_task_keeps_liveness_fresh_while_the_loop_runs(autojump_clock: trio.abc.Clock) -> None:
+    liveness = Liveness(clock=trio.current_time)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(liveness.keep_beating)
+        await trio.sleep(60)
+        assert liveness.alive() and liveness.silence() <= 1.0
+        nursery.cancel_scope.cancel()
+    await trio.sleep(30)
+    assert not liveness.alive()

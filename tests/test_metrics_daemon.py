@@ -269,3 +269,13 @@ def test_counters_follow_a_kubelet_restart_config_reloads_and_host_leases(host, 
     assert value(text, "devplugd_config_reloads_total", outcome="ok") >= 1
     assert value(text, "devplugd_register_failures_total", resource=DPDK) in (None, 0)
     assert daemon.stop() == 0
+
+
+def test_healthz_answers_ok_beside_metrics_on_the_same_port(run_daemon, seam):
+    """The DaemonSet's liveness probe: /healthz on the metrics port, 200 while the loop runs."""
+    daemon, url = start(run_daemon, seam)
+    health = url.removesuffix("/metrics") + "/healthz"
+    with urllib.request.urlopen(health, timeout=5) as response:
+        assert (response.status, response.read()) == (200, b"ok\n")
+    assert "devplugd_kernel_events_total" in scrape(url)
+    assert daemon.stop() == 0

@@ -6,12 +6,18 @@ and the host API feed through thin calls, and ``TreeCollector``, a subscriber of
 whose gauges and info series are read at scrape time from the one tree it last heard of (a
 scrape while the tree changes sees one whole tree, never half of two). ``MetricsServer`` is
 prometheus_client's HTTP server in its own thread, so a scrape never waits on the trio loop, nor
-the loop on a scrape. Off unless ``--metrics-address`` is given: the instruments still count (a
-few hundred nanoseconds each), nobody reads them.
+the loop on a scrape. It also answers ``/healthz`` from ``Liveness``, which a task of the trio
+loop beats every second (503 after 10 s without a beat, as the unit's watchdog would act). Off
+unless ``--metrics-address`` is given: the instruments still count (a few hundred nanoseconds
+each), nobody reads them.
 """
 
 from ._instruments import CHANGED, FAILED, IGNORED, UNCHANGED, Metrics, metrics_outcome
+from ._liveness import Liveness
 from ._server import MetricsServer
 from ._tree import TreeCollector
 
-__all__ = ["CHANGED", "FAILED", "IGNORED", "UNCHANGED", "Metrics", "MetricsServer", "TreeCollector", "metrics_outcome"]
+__all__ = [
+    "CHANGED", "FAILED", "IGNORED", "UNCHANGED", "Liveness", "Metrics", "MetricsServer", "TreeCollector",
+    "metrics_outcome",
+]

@@ -15,6 +15,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from ._liveness import Liveness
 from ._tree import TreeCollector
 
 # An event to the kubelet's list takes a few milliseconds; a burst is held up to 250 ms
@@ -36,6 +37,8 @@ class Metrics:
         registry = self.registry = CollectorRegistry()
         self.tree = TreeCollector(device_plugin_dir)
         registry.register(self.tree)
+        # beaten by a task of the trio loop, answered at /healthz
+        self.liveness = Liveness()
         if standard:
             ProcessCollector(registry=registry)
             PlatformCollector(registry=registry)
