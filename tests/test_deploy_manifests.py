@@ -1,0 +1,184 @@
+"""deploy/ against the Kubernetes API's own schemas (kubernetes-validate's, strict: unknown
+fields refused) and against the daemon it deploys: its version, its config loader, the host
+paths its settings default to, its metrics address."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from daemon import __version__, app
+from daemon.settings import Settings
+from tests.daemonrun import REPO_ROOT
+
+DEPLOY = REPO_ROOT / "deploy"
+Manifest = dict[str, Any]
+DEFAULTS = Settings()
+# The newest API the package has schemas of, and the oldest devplugd supports (resource.k8s.io/v1).
+VERSIONS = [".".join(kubernetes_validate.latest_version().split(".")[:2]), "1.34"]
+
+
+def _load(name: str) -> list[Manifest]:
+    with (DEPLOY / name).open(encoding="utf-8") as stream:
+        return [document for document in yaml.safe_load_all(stream) if document is not None]
+
+
+KUSTOMIZATION = _load("kustomization.yaml")[0]
+DOCUMENTS = [(name, document) for name in KUSTOMIZATION.get("resources", [])
+             if (DEPLOY / name).is_file() for document in _load(name)]
+
+
+def _one(kind: str) -> Manifest:
+    (found,) = [document for _, document in DOCUMENTS if document["kind"] == kind]
+    return found
+
+
+def _pod() -> Manifest:
+    spec: Manifest = _one("DaemonSet")["spec"]["template"]["spec"]
+    return spec
+
+
+def _container() -> Manifest:
+    containers: list[Manifest] = _pod()["containers"]
+    (container,) = containers
+    return container
+
+
+def _refusal(document: Manifest, version: str) -> str | None:
+    """Why the schemas of Kubernetes ``version`` refuse ``document`` in strict mode, or None."""
+    try:
+        used = kubernetes_validate.validate(document, version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        return f"{error.json_path}: {error.message}"
+    except kubernetes_validate.SchemaNotFoundError as error:
+        return str(error.message)
+    assert used == version, f"the package has no {version} schemas: validated against {used}'s"
+    return None
+
+
+# -- the API server's schemas ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(("name", "document"), [
+    pytest.param(name, document, id=f"{name}:{document['kind']}/{document['metadata']['name']}")
+    for name, document in DOCUMENTS])
+def test_each_resource_is_a_valid_api_object(name: str, document: Manifest, version: str) -> None:
+    assert _refusal(document, version) is None
+
+
+@pytest.mark.parametrize(("field", "mistake", "value", "refusal"), [
+    ("hostNetwork", "hostNetwrk", True, "'hostNetwrk' was unexpected"),
+    ("terminationGracePeriodSeconds", "terminationGracePeriodSeconds", "20", "'20' is not of type 'integer'"),
+], ids=["misspelled-field", "wrong-type"])
+def test_a_broken_daemonset_is_refused(field: str, mistake: str, value: object, refusal: str) -> None:
+    broken = copy.deepcopy(_one("DaemonSet"))
+    spec = broken["spec"]["template"]["spec"]
+    spec.pop(field, None)
+    spec[mistake] = value
+    for version in VERSIONS:
+        assert refusal in (_refusal(broken, version) or "accepted")
+
+
+# -- the kustomization and what it ties together -----------------------------------------------
+
+
+def test_kustomization_applies_every_manifest_beside_it() -> None:
+    beside = sorted(path.name for path in DEPLOY.glob("*.y*ml") if path.name != "kustomization.yaml")
+    assert sorted(KUSTOMIZATION["resources"]) == beside
+    assert all((DEPLOY / name).is_file() for name in KUSTOMIZATION["resources"])
+
+
+def test_service_account_is_the_pods_and_bound_in_the_kustomization_namespace() -> None:
+    namespace = KUSTOMIZATION.get("namespace")
+    assert namespace
+    account = _one("ServiceAccount")["metadata"]["name"]
+    assert _pod()["serviceAccountName"] == account
+    binding = _one("ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == _one("ClusterRole")["metadata"]["name"]
+    assert {"kind": "ServiceAccount", "name": account, "namespace": namespace} in binding["subjects"]
+
+
+def test_generated_config_map_is_the_config_volume_and_keeps_its_name() -> None:
+    (generator,) = KUSTOMIZATION["configMapGenerator"]
+    assert all((DEPLOY / name).is_file() for name in generator["files"])
+    assert DEFAULTS.config_path.name in [Path(name).name for name in generator["files"]]
+    (volume,) = [volume for volume in _pod()["volumes"] if volume["name"] == "config"]
+    assert volume["configMap"]["name"] == generator["name"]
+    # the daemon reloads a changed ConfigMap in place; a hash suffix would roll the pods instead
+    assert generator.get("options", {}).get("disableNameSuffixHash") is True
+
+
+def test_image_tag_is_the_daemon_version() -> None:
+    image = _container()["image"]
+    assert image == f"localhost/devplugd:{__version__}"
+    assert {"name": image.rpartition(":")[0], "newTag": __version__} in KUSTOMIZATION["images"]
+
+
+# -- the daemon it deploys ---------------------------------------------------------------------
+
+
+def test_config_json_passes_the_daemons_own_validation() -> None:
+    """As ``devplugd check-config deploy/config.json``: ConfigFileError if it is refused."""
+    _, config = app.load(Settings(), config_path=DEPLOY / "config.json")
+    assert config.pools
+    assert config.warnings == ()
+
+
+HOST_PATHS = {  # what the daemon reads or writes by default, and whether it writes there
+    "device_plugin_dir": (DEFAULTS.device_plugin_dir, True),
+    "plugins_registry_dir": (DEFAULTS.plugins_registry_dir, True),
+    "dra_plugin_dir": (DEFAULTS.dra_plugin_dir, True),
+    "cdi_dir": (DEFAULTS.cdi_dir, True),
+    "devinfo_dir": (DEFAULTS.devinfo_dir, True),
+    "nfd_features_dir": (DEFAULTS.nfd_features_dir, True),
+    "state_dir": (DEFAULTS.state_dir, True),
+    "control_socket": (DEFAULTS.control_socket.parent, True),
+    "udev_data_dir": (DEFAULTS.udev_data_dir.parent, False),
+    "sysfs_root": (DEFAULTS.sysfs_root, False),
+    "dev_root": (DEFAULTS.dev_root, False),
+}
+
+
+@pytest.mark.parametrize(("path", "writes"), HOST_PATHS.values(), ids=HOST_PATHS.keys())
+def test_host_path_is_the_hosts_in_the_pod(path: Path, writes: bool) -> None:
+    host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in _pod()["volumes"] if "hostPath" in volume}
+    covering = [mount for mount in _container()["volumeMounts"] if path.is_relative_to(mount["mountPath"])]
+    assert covering, f"{path} is not mounted"
+    mount = max(covering, key=lambda mount: len(Path(mount["mountPath"]).parts))  # the one seen at path
+    assert host_paths.get(mount["name"]) == mount["mountPath"], f"{path} is not the host's {path}"
+    assert "subPath" not in mount
+    assert not (writes and mount.get("readOnly")), f"{path} is mounted read-only"
+
+
+def test_config_volume_is_mounted_where_the_daemon_reads_its_config() -> None:
+    mounts = {mount["mountPath"]: mount["name"] for mount in _container()["volumeMounts"]}
+    assert mounts.get(str(DEFAULTS.config_path.parent)) == "config"
+    config_arguments = [arg for arg in _container()["args"] if arg.startswith("--config")]
+    assert config_arguments in ([], [f"--config={DEFAULTS.config_path}"])
+
+
+def test_metrics_listen_on_the_nodes_address_where_the_liveness_probe_asks() -> None:
+    assert _pod()["hostNetwork"] is True  # the host's links and uevents are heard in its netns only
+    container = _container()
+    assert "--metrics-address=$(HOST_IP):9464" in container["args"]
+    fields = {env["name"]: env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for env in container["env"]}
+    assert fields["HOST_IP"] == "status.hostIP"
+    assert fields.get("NODE_NAME") == "spec.nodeName"  # --node-name's default, for DRA's slices
+    probe = container["livenessProbe"]["httpGet"]
+    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+    assert (probe["path"], ports.get(probe["port"], probe["port"])) == ("/healthz", 9464)
+    assert "host" not in probe  # the pod's IP, which is the node's under hostNetwork
+
+
+def test_container_is_unprivileged() -> None:
+    context = _container()["securityContext"]
+    assert context.get("privileged") is not True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["capabilities"]["drop"] == ["ALL"]
