@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from daemon import __version__, app
+from daemon.dra._deviceclasses import rbac_objects
 from daemon.settings import Settings
 from tests.daemonrun import REPO_ROOT
 
@@ -102,6 +103,16 @@ def test_service_account_is_the_pods_and_bound_in_the_kustomization_namespace() 
     binding = _one("ClusterRoleBinding")
     assert binding["roleRef"]["name"] == _one("ClusterRole")["metadata"]["name"]
     assert {"kind": "ServiceAccount", "name": account, "namespace": namespace} in binding["subjects"]
+
+
+def test_rbac_is_what_the_daemon_prints_for_its_driver_and_the_namespace_is_made_for_it() -> None:
+    """One source of truth for the rules: `devplugd dra device-classes --rbac` (rbac_objects)."""
+    driver = DEFAULTS.dra_driver
+    assert [document for name, document in DOCUMENTS if name == "rbac.yaml"] == rbac_objects(driver)
+    namespace = _one("Namespace")
+    assert namespace["metadata"]["name"] == KUSTOMIZATION["namespace"]
+    # hostPath volumes and the host's network: only Pod Security's privileged level admits them
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
 
 
 def test_generated_config_map_is_the_config_volume_and_keeps_its_name() -> None:
