@@ -36,10 +36,6 @@ The DRA manager's side (dra-api.md §1, §2.2, §3.2), through the same plugin w
 * ``restart_dra()`` plays the kubelet's restart for DRA: its connections close, and the
   registration sockets and endpoints of the DRA plugins are removed (as the kubelet's plugin
   directory clean-up does); the plugins are registered again when their sockets come back.
-
-``node_root``: where the node's ``/`` is, for a plugin in a container that mounts the node's
-paths at the same paths (a DaemonSet's hostPath volumes): the endpoints it names in GetInfo are
-its paths, and the kubelet's too; the stand-in dials them below ``node_root``.
 """
 
 from __future__ import annotations
@@ -179,9 +175,7 @@ class FakeKubelet:
         plugins_registry_dir: Path | None = None,
         kubelet_versions: tuple[str, ...] = tuple(DRA_SERVICES),
         dra_health_gate: bool = True,
-        node_root: Path | None = None,
     ) -> None:
-        self.node_root = node_root
         self.device_plugin_dir = device_plugin_dir
         self.plugins_registry_dir = plugins_registry_dir
         self.kubelet_versions = kubelet_versions
@@ -469,7 +463,7 @@ class FakeKubelet:
                 error = f"the ResourceName {info.name!r} is invalid: {problem}"
             if not error and info.type == "DevicePlugin":
                 try:
-                    await self.connect(info.name, self._on_node(info.endpoint) if info.endpoint else path, "watcher")
+                    await self.connect(info.name, Path(info.endpoint) if info.endpoint else path, "watcher")
                 except Exception as failure:
                     error = f"failed to connect: {failure}"
             if error:
@@ -507,13 +501,9 @@ class FakeKubelet:
         return "", (f"none of services supported by the plugin ({_go_quoted(versions)}) "
                     f"are supported by the kubelet ({_go_quoted(self.kubelet_versions)})")
 
-    def _on_node(self, endpoint: str) -> Path:
-        """A path a plugin named, as this kubelet sees it."""
-        return self.node_root / endpoint.lstrip("/") if self.node_root is not None else Path(endpoint)
-
     async def _register_dra(self, path: Path, info: reg.PluginInfo) -> str:
         """ValidatePlugin and RegisterPlugin for a DRAPlugin socket; the error, or ""."""
-        endpoint = str(self._on_node(info.endpoint)) if info.endpoint else str(path)
+        endpoint = info.endpoint or str(path)
         versions = list(info.supported_versions)
         state = self.dra_state(info.name)
         service, problem = self._choose_dra_service(versions)
