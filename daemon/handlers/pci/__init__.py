@@ -38,23 +38,36 @@ from daemon.core import (
 
 from ._allocation import (
     VFIO_DRIVER,
+    VHOST_NET_INFO,
+    VHOST_NET_SPECS,
     PciDetails,
     allocation_envs,
     devinfo_file_name,
     first_per_host_path,
+    go_json,
     kubevirt_env_name,
+    rdma_specs_and_info,
     remove_devinfo_files,
     vfio_specs,
     with_vfio_binding,
     write_devinfo_file,
 )
 from ._attributes import pci_attributes
-from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
+from ._discovery import PciFacts, pci_devpath, read_default_pkey, read_rdma_char_devices, read_vfio_binding, scan_pci
 from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._groups import is_bridge_class
+from ._linktypes import link_type_name
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
-from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
+from ._selectors import (
+    ACCELERATOR,
+    NET_DEVICE,
+    PCI_DEVICE,
+    entry_problem,
+    index_selected,
+    parse_selector,
+    pick_pf_entry,
+)
 
 if TYPE_CHECKING:
     from daemon.core import (
@@ -69,12 +82,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devplugd.pci")
 
+# What the auxNetDevice handler shares with this one: the SR-IOV plugin's PF/index selectors,
+# its RDMA and vhost-net answers, its _INFO encoding, link types and RDMA char devices.
+__all__ = [
+    "RDMA_SUBSYSTEMS", "VHOST_NET_INFO", "VHOST_NET_SPECS", "PciHandler", "entry_problem", "go_json",
+    "index_selected", "link_type_name", "pick_pf_entry", "rdma_specs_and_info", "read_default_pkey",
+    "read_rdma_char_devices",
+]
+
 
 class PciHandler:
     name: ClassVar[str] = "pci"
     device_types: ClassVar[frozenset[str]] = frozenset({NET_DEVICE, ACCELERATOR, PCI_DEVICE})
-    # vfio-dev: a function's own VFIO node (IOMMUFD) appearing after its vfio-pci bind
-    subsystems: ClassVar[frozenset[str]] = frozenset({"pci", "net", "uio", "vfio-dev", *RDMA_SUBSYSTEMS})
+    # vfio-dev: a function's own VFIO node (IOMMUFD) appearing after its vfio-pci bind; vdpa: a
+    # VF's vDPA device added, bound to vhost_vdpa or virtio_vdpa, unbound, removed
+    subsystems: ClassVar[frozenset[str]] = frozenset({"pci", "net", "uio", "vfio-dev", "vdpa", *RDMA_SUBSYSTEMS})
     wants_links: ClassVar[bool] = True
 
     def __init__(self, context: HandlerContext) -> None:

@@ -1,12 +1,14 @@
 """What a PCI device contributes to an Allocate answer, byte-compatible with the SR-IOV plugin.
 
 * device specs: vfio (``/dev/vfio/vfio`` and the IOMMU group; ``noiommu-N`` on the host side in
-  no-IOMMU mode), uio, RDMA character devices, vhost-net/tun;
+  no-IOMMU mode), uio, RDMA character devices, vhost-net/tun, a vhost vDPA device's
+  ``/dev/vhost-vdpa-N``;
 * ``PCIDEVICE_<PREFIX>_<NAME>`` (only ``.`` replaced by ``_``, then upper-cased) = the IDs in
   request order, and ``..._INFO`` = ``{id: {provider: {key: value}}}`` as Go's json.Marshal
   writes it;
 * the Multus device-info file (``<prefix>-<name>-<id>-device.json``, spec 1.1.0) for netDevice
-  pools, written at Allocate and removed when the pool stops.
+  pools, written at Allocate and removed when the pool stops: type ``vdpa`` for a device its
+  selector took by ``vdpaType``, ``pci`` otherwise.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from daemon.core import DeviceSpec, device_list_env_name
 
-from ._discovery import PCI_ADDRESS, PciDevice, VfioBinding
+from ._discovery import PCI_ADDRESS, PciDevice, VdpaDevice, VfioBinding
 
 log = logging.getLogger("devplugd.pci")
 
@@ -46,6 +49,7 @@ class PciDetails:
     info: Mapping[str, Mapping[str, str]]
     rdma_device: str | None
     members: tuple[PciDetails, ...] = ()
+    vdpa: VdpaDevice | None = None  # taken by a vdpaType selector: the device-info file is of type vdpa
 
     @property
     def pci_address(self) -> str:
@@ -99,6 +103,28 @@ def with_vfio_binding(details: PciDetails, binding: VfioBinding) -> PciDetails:
     return replace(details, device=device, info=info)
 
 
+VHOST_NET_SPECS = (DeviceSpec(VHOST_NET, VHOST_NET), DeviceSpec(NET_TUN, NET_TUN))
+VHOST_NET_INFO: Mapping[str, str] = MappingProxyType({"net-mount": VHOST_NET, "tun-mount": NET_TUN})
+
+
+def rdma_specs_and_info(
+    rdma_devices: Sequence[str], rdma_char_devices: Mapping[str, tuple[str, ...]]
+) -> tuple[list[DeviceSpec], dict[str, str]]:
+    """The character devices of ``rdma_devices`` as specs, and the ``rdma`` provider of ``_INFO``
+    (``uverbs``, ``umad``, ``issm``, ``rdma_cm``: the last of each kind; ``rdma_dev``: the first)."""
+    specs: list[DeviceSpec] = []
+    rdma: dict[str, str] = {}
+    for rdma_name in rdma_devices:
+        for path in rdma_char_devices.get(rdma_name, ()):
+            specs.append(DeviceSpec(path, path))
+            for key in ("uverbs", "umad", "issm", "rdma_cm"):
+                if key in path:
+                    rdma[key] = path
+                    break
+    rdma["rdma_dev"] = rdma_devices[0]
+    return specs, rdma
+
+
 def device_specs_and_info(
     device: PciDevice,
     *,
@@ -107,8 +133,10 @@ def device_specs_and_info(
     vhost_available: bool,
     rdma_char_devices: Mapping[str, tuple[str, ...]],
     additional_info: Mapping[str, Mapping[str, str]] | None,
+    vdpa_type: str | None = None,
 ) -> tuple[tuple[DeviceSpec, ...], dict[str, dict[str, str]], str | None]:
-    """The device specs, the ``_INFO`` providers and the devinfo ``rdma-device`` of one device."""
+    """The device specs, the ``_INFO`` providers and the devinfo ``rdma-device`` of one device
+    (``vdpa_type``: its selector's ``vdpaType``, which the device's vDPA device matched)."""
     specs: list[DeviceSpec] = []
     info: dict[str, dict[str, str]] = {"generic": {"deviceID": device.address}}
     if device.driver == VFIO_DRIVER:
@@ -130,21 +158,23 @@ def device_specs_and_info(
         info["extra"] = extra
     rdma_device = None
     if is_rdma and device.rdma_devices:
-        rdma: dict[str, str] = {}
-        for rdma_name in device.rdma_devices:
-            for path in rdma_char_devices.get(rdma_name, ()):
-                specs.append(DeviceSpec(path, path))
-                for key in ("uverbs", "umad", "issm", "rdma_cm"):
-                    if key in path:
-                        rdma[key] = path
-                        break
-        rdma["rdma_dev"] = device.rdma_devices[0]
-        info["rdma"] = rdma
+        rdma_specs, info["rdma"] = rdma_specs_and_info(device.rdma_devices, rdma_char_devices)
+        specs.extend(rdma_specs)
         rdma_device = ",".join(device.rdma_devices)
     if need_vhost_net and vhost_available:
-        specs.extend((DeviceSpec(VHOST_NET, VHOST_NET), DeviceSpec(NET_TUN, NET_TUN)))
-        info["vhost"] = {"net-mount": VHOST_NET, "tun-mount": NET_TUN}
+        specs.extend(VHOST_NET_SPECS)
+        info["vhost"] = dict(VHOST_NET_INFO)
+    if vdpa_type is not None and device.vdpa is not None:
+        info["vdpa"] = {}
+        if vdpa_path := vdpa_node_path(device.vdpa):
+            specs.append(DeviceSpec(vdpa_path, vdpa_path))
+            info["vdpa"]["mount"] = vdpa_path
     return tuple(specs), info, rdma_device
+
+
+def vdpa_node_path(vdpa: VdpaDevice) -> str | None:
+    """``/dev/vhost-vdpa-N`` of a vDPA device bound to vhost_vdpa (a virtio one has none)."""
+    return f"/dev/{vdpa.vhost_node}" if vdpa.vdpa_type == "vhost" and vdpa.vhost_node else None
 
 
 # Encoders are immutable once made; json.dumps with options would make one per call (every Allocate).
@@ -187,6 +217,12 @@ def devinfo_file_name(resource: str, device_id: str) -> str:
 
 
 def devinfo_document(details: PciDetails) -> bytes:
+    if details.vdpa is not None:
+        vdpa = {"parent-device": details.vdpa.name, "driver": details.vdpa.vdpa_type or ""}
+        if path := vdpa_node_path(details.vdpa):
+            vdpa["path"] = path
+        vdpa["pci-address"] = details.device.address
+        return _COMPACT_ENCODER.encode({"type": "vdpa", "version": DEVINFO_VERSION, "vdpa": vdpa}).encode()
     pci: dict[str, str] = {"pci-address": details.device.address}
     if details.rdma_device:
         pci["rdma-device"] = details.rdma_device

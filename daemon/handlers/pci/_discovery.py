@@ -4,7 +4,10 @@ Everything comes from ``<sysfs>/bus/pci/devices/<address>`` (a symlink into ``de
 whose target names the PCIe root complex):
 ``vendor``, ``device``, ``class``, ``numa_node``, ``acpi_index``, the ``driver`` and
 ``iommu_group`` links, SR-IOV (``sriov_totalvfs``, ``sriov_numvfs``, ``physfn``, ``virtfnN``),
-``net/<ifname>/type``, ``uio/uioN`` and ``infiniband/<rdma dev>``; RDMA character devices from
+``net/<ifname>/type``, ``uio/uioN`` and ``infiniband/<rdma dev>`` (for an InfiniBand link, its
+default partition key ``ports/1/pkeys/0``); vDPA devices from ``<sysfs>/bus/vdpa/devices``
+(each a directory of its parent function, bound to ``vhost_vdpa`` or ``virtio_vdpa``, with its
+``vhost-vdpa-<n>`` char device beside ``driver`` when bound to vhost); RDMA character devices from
 ``<sysfs>/class/infiniband_{verbs,mad,cm}``; IPv4 default routes from ``<proc>/net/route``.
 A device whose entries cannot be read is skipped with a log line naming the path.
 """
@@ -30,6 +33,25 @@ log = logging.getLogger("devplugd.pci")
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
 PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")  # domain:bus:device.function
 PCIE_ROOT = re.compile(r"pci[0-9a-f]{4,}:[0-9a-f]{2}")  # a root complex's directory under /sys/devices
+
+
+VDPA_TYPES_BY_DRIVER: Mapping[str, str] = MappingProxyType({"vhost_vdpa": "vhost", "virtio_vdpa": "virtio"})
+VHOST_VDPA_PREFIX = "vhost-vdpa-"
+
+
+@dataclass(frozen=True, slots=True)
+class VdpaDevice:
+    """A function's vDPA device: its name, its vDPA bus driver, and the ``vhost-vdpa-<n>`` char
+    device ``vhost_vdpa`` made for it (``/dev/vhost-vdpa-<n>``)."""
+
+    name: str
+    driver: str | None
+    vhost_node: str | None
+
+    @property
+    def vdpa_type(self) -> str | None:
+        """``vhost`` or ``virtio`` (the ``vdpaType`` it matches), from its driver."""
+        return VDPA_TYPES_BY_DRIVER.get(self.driver or "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +80,9 @@ class PciDevice:
     vfio_cdev: str | None = None  # "vfioN" of ``vfio-dev/vfioN``: the device's own VFIO node (IOMMUFD)
     # ``pci<domain>:<bus>``: the root complex's directory under ``<sysfs>/devices`` it sits below
     pcie_root: str | None = None
+    # an InfiniBand function's default partition key: port 1, index 0 of its first RDMA device
+    pkey: int | None = None
+    vdpa: VdpaDevice | None = None
 
     @property
     def netdev(self) -> str | None:
@@ -204,6 +229,7 @@ def read_device(
     vf_positions: Mapping[str, tuple[str, int]],
     default_route_ifaces: frozenset[str],
     pf_netdevs: _PfNetdevCache,
+    vdpa_devices: Mapping[str, VdpaDevice] = _EMPTY,
 ) -> PciDevice:
     """One PCI function; raises SysfsError (naming the path) when it cannot be used."""
     if not entries:
@@ -235,6 +261,10 @@ def read_device(
     netdevs = tuple(list_dir(f"{device_dir}/net")) if "net" in entries else ()
     link_type = _netdev_link_type(device_dir, netdevs[0]) if netdevs else pf_link_type
 
+    rdma_devices = tuple(list_dir(f"{device_dir}/infiniband")) if "infiniband" in entries else ()
+    pkey = read_default_pkey(f"{device_dir}/infiniband/{rdma_devices[0]}") \
+        if rdma_devices and link_type == "infiniband" else None
+
     iommu_group: str | None = None
     noiommu = False
     if "iommu_group" in entries:
@@ -259,11 +289,52 @@ def read_device(
         iommu_group=iommu_group,
         noiommu=noiommu,
         uio_devices=tuple(list_dir(f"{device_dir}/uio")) if "uio" in entries else (),
-        rdma_devices=tuple(list_dir(f"{device_dir}/infiniband")) if "infiniband" in entries else (),
+        rdma_devices=rdma_devices,
         has_default_route=any(name in default_route_ifaces for name in netdevs),
         vfio_cdev=vfio_cdev_of(device_dir) if "vfio-dev" in entries else None,
         pcie_root=pcie_root_of(device_dir),
+        pkey=pkey,
+        vdpa=vdpa_devices.get(address),
     )
+
+
+def read_vdpa_devices(sysfs_root: str) -> dict[str, VdpaDevice]:
+    """Parent function's address -> its vDPA device, from ``bus/vdpa/devices`` (a vDPA device is
+    a directory of the function it runs on; mlx5 makes one per VF). A vDPA device whose parent is
+    no PCI function is left out; of two on one function, the first by name is taken."""
+    bus = f"{sysfs_root}/bus/vdpa/devices"
+    found: dict[str, VdpaDevice] = {}
+    for name in list_dir(bus):
+        entry = f"{bus}/{name}"
+        parent = os.path.basename(os.path.dirname(os.path.realpath(entry)))
+        if not PCI_ADDRESS.fullmatch(parent) or parent in found:
+            continue
+        vhost = sorted(n for n in list_dir(entry) if n.startswith(VHOST_VDPA_PREFIX) and n[len(VHOST_VDPA_PREFIX):]
+                       .isdigit() and os.path.exists(f"{entry}/{n}/dev"))
+        found[parent] = VdpaDevice(name=name, driver=link_name(f"{entry}/driver"), vhost_node=next(iter(vhost), None))
+    return found
+
+
+def read_default_pkey(rdma_dir: str) -> int | None:
+    """The default partition key of an RDMA device (``ports/1/pkeys/0``, which the kernel prints
+    ``0x%04x``); ``None`` when it is missing or not a 16-bit hex number (logged: the function is
+    still served, only a ``pKeys`` selector cannot match it)."""
+    path = f"{rdma_dir}/ports/1/pkeys/0"
+    try:
+        text = read_text(path)
+    except SysfsError as error:
+        log.warning("no default partition key: %s", error)
+        return None
+    if text is None:
+        return None
+    try:
+        value = int(text, 16)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 0xFFFF:
+        log.warning("%s: %r is not a partition key; pKeys selectors will not match it", path, text[:40])
+        return None
+    return value
 
 
 def pcie_root_of(bus_entry: str) -> str | None:
@@ -361,11 +432,13 @@ def read_devices(
             vf_positions.update(vf_positions_of(devices_dir, address, names))
     default_route_ifaces = read_default_route_interfaces(proc_root)
     pf_netdevs = _PfNetdevCache(devices_dir)
+    vdpa_devices = read_vdpa_devices(sysfs_root)
     result: dict[str, PciDevice | None] = {}
     for address in addresses:
         try:
             result[address] = read_device(
-                address, f"{devices_dir}/{address}", listings[address], vf_positions, default_route_ifaces, pf_netdevs
+                address, f"{devices_dir}/{address}", listings[address], vf_positions, default_route_ifaces, pf_netdevs,
+                vdpa_devices,
             )
         except SysfsError as error:
             if listings[address]:

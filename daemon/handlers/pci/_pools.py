@@ -250,6 +250,7 @@ def _device_info(
         vhost_available=vhost_available,
         rdma_char_devices=facts.rdma_char_devices,
         additional_info=pool.entry.additional_info,
+        vdpa_type=selector.vdpa_type,
     )
     if device.driver == "vfio-pci" and device.vfio_cdev is not None:
         specs += iommufd_specs(device, dev_root, pool.resource)
@@ -259,5 +260,6 @@ def _device_info(
         health=health(device, facts.links, spec.check_health_on_pf, facts.recovery),
         numa_nodes=(numa,) if numa is not None and not pool.entry.exclude_topology else (),
         specs=specs,
-        details=PciDetails(device=device, info=info, rdma_device=rdma_device),
+        details=PciDetails(device=device, info=info, rdma_device=rdma_device,
+                           vdpa=device.vdpa if selector.vdpa_type is not None else None),
     )

@@ -7,6 +7,11 @@ Fields combine with AND, values inside one list with OR; an empty list does not 
 ``N`` or ``A-B`` separated by commas. As upstream: the *first* entry whose part before ``#``
 equals the PF (case-insensitively) decides; a malformed index list stops matching at the bad part.
 
+``pKeys`` (netDevice) are InfiniBand default partition keys, compared as 16-bit numbers (``"0x1"``
+matches the kernel's ``0x0001``, where upstream compares the strings); they match only functions
+with an InfiniBand link. ``vdpaType`` (``virtio`` or ``vhost``) keeps only VFs whose vDPA device
+is bound to that vDPA bus driver; one selector object cannot have it with ``isRdma``.
+
 ``pciDevice`` selectors take ``classes`` (hex prefixes of the 6-digit class code: ``"0108"`` NVMe,
 ``"12"`` accelerators), ``vendors``, ``devices``, ``drivers``, ``pciAddresses``, ``pfNames`` and
 ``rootDevices``; a PF without a netdev is named in ``pfNames`` by its PCI address. Without
@@ -32,6 +37,8 @@ ACCELERATOR = "accelerator"
 PCI_DEVICE = "pciDevice"
 PCI_DEVICE_DEFAULT_DRIVERS = ("vfio-pci",)
 CLASS_CODE_DIGITS = 6
+VDPA_TYPES = ("virtio", "vhost")
+INFINIBAND = "infiniband"
 
 
 def pick_pf_entry(entries: tuple[str, ...], pf: str) -> str | None:
@@ -109,6 +116,8 @@ class PciSelector:
     root_devices: tuple[str, ...] = ()
     link_types: tuple[str, ...] = ()
     ddp_profiles: tuple[str, ...] = ()
+    pkeys: frozenset[int] = frozenset()
+    vdpa_type: str | None = None
     classes: tuple[str, ...] = ()
     is_rdma: bool = False
     need_vhost_net: bool = False
@@ -141,7 +150,11 @@ class PciSelector:
             return False
         if self.ddp_profiles and ddp_profile(device.address) not in self.ddp_profiles:
             return False
+        if self.pkeys and (device.link_type != INFINIBAND or device.pkey not in self.pkeys):
+            return False
         if self.is_rdma and not device.rdma_devices:
+            return False
+        if self.vdpa_type is not None and (device.vdpa is None or device.vdpa.vdpa_type != self.vdpa_type):
             return False
         return True
 
@@ -182,9 +195,15 @@ def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
             root_devices=selector.string_list("rootDevices"),
             link_types=selector.string_list("linkTypes"),
             ddp_profiles=selector.string_list("ddpProfiles"),
+            pkeys=parse_pkeys(selector),
+            vdpa_type=parse_vdpa_type(selector),
             is_rdma=selector.get("isRdma", bool, False),
             need_vhost_net=selector.get("needVhostNet", bool, False),
         )
+        if parsed.is_rdma and parsed.vdpa_type is not None:
+            raise ConfigError(selector.path_of("vdpaType"),
+                              "cannot be set in a selector object that also sets isRdma (as upstream refuses it); "
+                              "put them in two selector objects")
         if len(parsed.link_types) > 1:
             log.warning("%s: more than one link type given", selector.path_of("linkTypes"))
     else:
@@ -212,3 +231,24 @@ def parse_classes(selector: ConfigObject) -> tuple[str, ...]:
             )
         prefixes.append(digits.lower())
     return tuple(prefixes)
+
+
+def parse_pkeys(selector: ConfigObject) -> frozenset[int]:
+    """``pKeys``: 16-bit hex numbers (an optional ``0x``, 1 to 4 digits); anything else is a
+    ConfigError naming the entry."""
+    keys = set()
+    for position, text in enumerate(selector.string_list("pKeys")):
+        digits = text[2:] if text[:2].lower() == "0x" else text
+        if not 1 <= len(digits) <= 4 or not all(c in "0123456789abcdefABCDEF" for c in digits):
+            raise ConfigError(f"{selector.path_of('pKeys')}[{position}]",
+                              f"{text!r} is not a partition key (a 16-bit hex number, e.g. \"0x7fff\")")
+        keys.add(int(digits, 16))
+    return frozenset(keys)
+
+
+def parse_vdpa_type(selector: ConfigObject) -> str | None:
+    value = selector.get("vdpaType", str, "") or None
+    if value is not None and value not in VDPA_TYPES:
+        raise ConfigError(selector.path_of("vdpaType"),
+                          f"unknown vDPA type {value!r} (expected one of: {', '.join(VDPA_TYPES)})")
+    return value
