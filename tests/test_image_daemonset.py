@@ -164,6 +164,15 @@ def test_a_configmap_update_swapping_data_reloads_the_pools_in_place(pod: Pod) -
     assert pod.state("Pid") == str(pod.pid), "reloaded by the same process, not restarted"
 
 
+def test_a_bad_configmap_update_is_refused_and_the_pools_stay_served(pod: Pod) -> None:
+    pod.kubelet.wait_for_devices(LOOP, 1, timeout=60)
+    pod.config_map.update({"config.json": '{"resourceList": [{"resourceName": "x", "deviceType": "nope"}]}'})
+    wait_until(lambda: "config reload refused" in pod.logs(), timeout=30, what=lambda: pod.logs()[-3000:])
+    assert "$.resourceList[0].selectors: is required" in pod.logs()
+    assert len(pod.kubelet.state(TUN).devices) == 3 and len(pod.kubelet.state(LOOP).devices) == 1
+    pod.config_map.update({"config.json": json.dumps(SWAPPED)})  # back to the good one for what follows
+
+
 def test_stopping_the_pod_removes_its_sockets_from_the_node(pod: Pod) -> None:
     pod.kubelet.wait_for_devices(TUN, 3, timeout=60)
     started = time.monotonic()
