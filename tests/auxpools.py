@@ -38,6 +38,17 @@ from tests.auxsysfs import AuxTree
 from tests.fakesysfs import FakeHost
 
 PREFIX = "nvidia.com"
+PF_A, PF_B = "0000:03:00.0", "0000:04:00.0"
+SF = {"auxTypes": ["sf"]}
+ALL = {"resourceName": "all", "selectors": SF}
+# the bound SFs of each PF in ``standard_tree`` (mlx5_core.sf.5 of PF A is not bound)
+A_SFS = frozenset({"mlx5_core.sf.2", "mlx5_core.sf.3", "mlx5_core.sf.4"})
+B_SFS = frozenset({"mlx5_core.sf.6", "mlx5_core.sf.7"})
+
+
+def pool(name: str, *selectors: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """An auxNetDevice pool entry whose selector objects are ``auxTypes: ["sf"]`` and ``selectors``."""
+    return {"resourceName": name, "selectors": [{**SF, **s} for s in selectors] if selectors else SF, **fields}
 
 
 def device_dirs(directory: Path) -> list[Path]:
@@ -183,3 +194,23 @@ class AuxPools:
     def allocate(self, pool: ResourcePool, device_ids: list[str]) -> ContainerAllocation:
         """The Allocate answer the daemon would give (the default answer, then post_allocate)."""
         return allocate_container(Hooks.of(self.handler), pool, device_ids)
+
+
+def standard_tree(tree: AuxTree) -> None:
+    """Two PFs with SFs, laid out in this order so that names and RDMA numbers are fixed (aux ids
+    are the lowest free, as mlx5's ida gives them; ``sfnum`` is not the id):
+
+    * PF A ``0000:03:00.0`` (ConnectX-6 Dx ``101d``, NUMA 0, uplink ``enp3s0f0np0``, RDMA
+      ``mlx5_0`` with uverbs0): SFs ``mlx5_core.sf.2`` (sfnum 88, ``enp3s0f0s88``, RDMA ``mlx5_2``:
+      uverbs1, umad1, issm1), ``.3`` (sfnum 5), ``.4`` (sfnum 3), ``.5`` (sfnum 4, its driver unbound);
+    * PF B ``0000:04:00.0`` (BlueField-2 ``a2d6``, NUMA 1, uplink ``p0``): SFs ``mlx5_core.sf.6``
+      (sfnum 1, ``en4f0s1``), ``.7`` (sfnum 2, ``en4f0s2``, RDMA ``mlx5_3``: uverbs2, umad2, issm2).
+    """
+    tree.add_mlx5_pf(PF_A, uplink="enp3s0f0np0", rdma="mlx5_0", numa_node=0)
+    tree.add_mlx5_pf(PF_B, uplink="p0", rdma=None, numa_node=1, device="a2d6", bridge="0000:00:03.0")
+    tree.add_sf(PF_A, 88, netdev="enp3s0f0s88", rdma="mlx5_2")
+    tree.add_sf(PF_A, 5, netdev="enp3s0f0s5")
+    tree.add_sf(PF_A, 3, netdev="enp3s0f0s3")
+    tree.add_sf(PF_A, 4, netdev="enp3s0f0s4", bound=False)
+    tree.add_sf(PF_B, 1, netdev="en4f0s1")
+    tree.add_sf(PF_B, 2, netdev="en4f0s2", rdma="mlx5_3")
