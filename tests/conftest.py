@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from tests.auxpools import AuxPools
 from tests.daemonrun import REPO_ROOT, DaemonProcess, daemon_command
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
@@ -49,6 +50,12 @@ def ram_host() -> Iterator[FakeHost]:
     directory = Path(tempfile.mkdtemp(prefix="dp", dir=base))
     yield FakeHost(directory / "host")
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def aux_world(ram_host: FakeHost) -> AuxPools:
+    """An AuxNetHandler on a fake host on tmpfs, with the AuxTree that lays out its SFs."""
+    return AuxPools(ram_host)
 
 
 @pytest.fixture

@@ -118,12 +118,14 @@ def test_absent_or_empty_device_type_means_net_device(fields: dict[str, Any]) ->
     assert (configured.entry.device_type, configured.handler) == ("netDevice", "pci")
 
 
-def test_accelerator_and_devnode_pools_go_to_their_handlers() -> None:
+def test_accelerator_devnode_and_aux_net_device_pools_go_to_their_handlers() -> None:
     config = parse(pools(
         pool("qat", deviceType="accelerator"),
         {"resourceName": "kvm", "deviceType": "devNode", "selectors": {"paths": ["/dev/kvm"]}},
+        {"resourceName": "bf_sfs", "deviceType": "auxNetDevice", "selectors": [{"pfNames": ["p0#1-4"], "auxTypes": ["sf"]}]},
     ))
-    assert [(p.resource, p.handler) for p in config.pools] == [("intel.com/qat", "pci"), ("intel.com/kvm", "devnode")]
+    assert [(p.resource, p.handler) for p in config.pools] == [
+        ("intel.com/qat", "pci"), ("intel.com/kvm", "devnode"), ("intel.com/bf_sfs", "auxnet")]
 
 
 @pytest.mark.parametrize(
@@ -223,7 +225,7 @@ def test_unknown_device_type_lists_the_known_types() -> None:
     error = parse_error(pools(pool(), pool("b", deviceType="gpu")))
     assert error.json_path == "$.resourceList[1].deviceType"
     assert "'gpu'" in str(error)
-    assert "accelerator, devNode, netDevice" in str(error)
+    assert "(known: accelerator, auxNetDevice, devNode, netDevice, pciDevice, usbDevice)" in str(error)
 
 
 @pytest.mark.parametrize("name", ["sriov.net", "sriov/net", "sriov net", "", "vf\u00e9", "a:b"])

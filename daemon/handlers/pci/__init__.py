@@ -53,7 +53,16 @@ from ._allocation import (
     write_devinfo_file,
 )
 from ._attributes import pci_attributes
-from ._discovery import PciFacts, pci_devpath, read_default_pkey, read_rdma_char_devices, read_vfio_binding, scan_pci
+from ._discovery import (
+    PCI_ADDRESS,
+    PciFacts,
+    pci_devpath,
+    pcie_root_of,
+    read_default_pkey,
+    read_rdma_char_devices,
+    read_vfio_binding,
+    scan_pci,
+)
 from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._groups import is_bridge_class
 from ._linktypes import link_type_name
@@ -83,11 +92,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("devplugd.pci")
 
 # What the auxNetDevice handler shares with this one: the SR-IOV plugin's PF/index selectors,
-# its RDMA and vhost-net answers, its _INFO encoding, link types and RDMA char devices.
+# its RDMA and vhost-net answers, its _INFO encoding, link types, RDMA char devices, the shape of
+# a PCI address and a function's PCIe root.
 __all__ = [
-    "RDMA_SUBSYSTEMS", "VHOST_NET_INFO", "VHOST_NET_SPECS", "PciHandler", "entry_problem", "go_json",
-    "index_selected", "link_type_name", "pick_pf_entry", "rdma_specs_and_info", "read_default_pkey",
-    "read_rdma_char_devices",
+    "PCI_ADDRESS", "RDMA_SUBSYSTEMS", "VHOST_NET_INFO", "VHOST_NET_SPECS", "PciHandler", "entry_problem",
+    "go_json", "index_selected", "link_type_name", "pcie_root_of", "pick_pf_entry", "rdma_specs_and_info",
+    "read_default_pkey", "read_rdma_char_devices",
 ]
 
 

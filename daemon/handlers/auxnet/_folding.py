@@ -1,0 +1,112 @@
+"""Folding one event into the SF facts: re-read only what it concerns, so that the result is
+what a full scan of the same sysfs would give.
+
+* A uevent whose devpath is at or below an SF directory (the SF's own add, bind, unbind and
+  remove on the auxiliary bus, and those of its netdev, its RDMA device and its own auxiliary
+  devices) reads that SF again; the SF's own ``remove`` takes it out.
+* A ``pci`` uevent of a function with SFs (add, bind, unbind, change) reads again its record,
+  every SF in its directory and the RDMA character devices; its ``remove`` takes its SFs out.
+* A ``net`` uevent of a PF's netdev (``<pf>/net/<ifname>``: the uplink renamed, an SF
+  representor added) reads the PF's record again, its name may have changed; a PF with no SFs
+  is not kept, so there is nothing to read.
+* An RDMA uevent (``infiniband*``) also reads the RDMA character devices again.
+* Link events only replace link states.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from types import MappingProxyType
+
+from daemon.core import LinkChanged, LinkSnapshot, LinkState, UEvent
+from daemon.handlers.pci import PCI_ADDRESS, RDMA_SUBSYSTEMS, read_rdma_char_devices
+
+from ._discovery import AuxFacts, ScalableFunction, read_sf_logged, sf_in, sfs_below, with_pfs
+
+
+def _updated(facts: AuxFacts, sysfs_root: str, changes: Mapping[str, ScalableFunction | None],
+             addresses: set[str], reread: frozenset[str] = frozenset()) -> AuxFacts:
+    """``facts`` with SFs replaced (``None``: gone) and the PFs of ``addresses`` brought up to date."""
+    sfs = dict(facts.sfs)
+    for name, sf in changes.items():
+        old = sfs.pop(name, None)
+        if old is not None:
+            addresses.add(old.pf_address)
+        if sf is not None:
+            sfs[name] = sf
+            addresses.add(sf.pf_address)
+    pfs = dict(facts.pfs)
+    with_pfs(sysfs_root, sfs, pfs, addresses, reread)
+    if sfs == facts.sfs and pfs == facts.pfs:
+        return facts
+    return replace(facts, sfs=MappingProxyType(sfs), pfs=MappingProxyType(pfs))
+
+
+def _rdma_read_again(facts: AuxFacts, sysfs_root: str, dev_root: str) -> AuxFacts:
+    rdma = read_rdma_char_devices(sysfs_root, dev_root)
+    return facts if rdma == facts.rdma_char_devices else replace(facts, rdma_char_devices=MappingProxyType(rdma))
+
+
+def fold_sf(facts: AuxFacts, event: UEvent, sysfs_root: str, dev_root: str, name: str, devpath: str) -> AuxFacts:
+    """An event at or below the SF ``name``: the SF read again (the RDMA character devices too
+    when its RDMA devices changed: an SF gone takes its own with it, whatever events are late)."""
+    if event.action == "remove" and event.devpath == devpath:
+        sf = None
+    else:
+        # gone under a known SF: removed (its own event may come later) or its PF vanished
+        sf = read_sf_logged(sysfs_root, devpath, gone_level=logging.INFO if name in facts.sfs else None)
+    known = facts.sfs.get(name)
+    if sf == known:
+        return facts
+    if (known.rdma_devices if known else ()) != (sf.rdma_devices if sf else ()):
+        facts = _rdma_read_again(facts, sysfs_root, dev_root)
+    return _updated(facts, sysfs_root, {name: sf}, set())
+
+
+def fold_function(facts: AuxFacts, event: UEvent, sysfs_root: str, dev_root: str, address: str) -> AuxFacts:
+    """A ``pci`` uevent of the function at ``address``: its SFs and its record read again, and
+    the RDMA character devices (a PF removed takes its SFs' with it, the events of those may
+    come late or not at all)."""
+    known = {name for name, sf in facts.sfs.items() if sf.pf_address == address}
+    found = {} if event.action == "remove" else sfs_below(sysfs_root, event.devpath)
+    if not known and not found:
+        return facts
+    facts = _rdma_read_again(facts, sysfs_root, dev_root)
+    changes: dict[str, ScalableFunction | None] = dict.fromkeys(known - found.keys())
+    for name, devpath in found.items():
+        changes[name] = read_sf_logged(sysfs_root, devpath, gone_level=logging.INFO if name in known else None)
+    return _updated(facts, sysfs_root, changes, {address}, frozenset({address}))
+
+
+def fold_uevent(facts: AuxFacts, event: UEvent, sysfs_root: str, dev_root: str) -> AuxFacts:
+    if event.subsystem in RDMA_SUBSYSTEMS:
+        facts = _rdma_read_again(facts, sysfs_root, dev_root)
+    if (found := sf_in(event.devpath)) is not None:
+        return fold_sf(facts, event, sysfs_root, dev_root, *found)
+    last = os.path.basename(event.devpath)
+    if event.subsystem == "pci" and PCI_ADDRESS.fullmatch(last):
+        return fold_function(facts, event, sysfs_root, dev_root, last)
+    parent, _, _ = event.devpath.rpartition("/")
+    owner, _, kind = parent.rpartition("/")
+    pf = os.path.basename(owner)
+    if event.subsystem == "net" and kind == "net" and pf in facts.pfs:
+        return _updated(facts, sysfs_root, {}, {pf}, frozenset({pf}))
+    return facts
+
+
+def fold_links(facts: AuxFacts, event: LinkChanged | LinkSnapshot) -> AuxFacts:
+    if isinstance(event, LinkSnapshot):
+        if event.links == facts.links:
+            return facts
+        return replace(facts, links=MappingProxyType(dict(event.links)))
+    if facts.links.get(event.ifname) == event.state:
+        return facts
+    links: dict[str, LinkState] = dict(facts.links)
+    if event.state is None:
+        links.pop(event.ifname, None)
+    else:
+        links[event.ifname] = event.state
+    return replace(facts, links=MappingProxyType(links))

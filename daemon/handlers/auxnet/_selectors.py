@@ -1,0 +1,102 @@
+"""Selectors of the SR-IOV plugin's ``auxNetDevice`` pools, parsed and matched as upstream does
+(``pkg/auxnetdevice/auxNetDeviceProvider.go``, ``pkg/resources/deviceSelectors.go``).
+
+``{"auxTypes": ["sf"], "vendors": ["15b3"], "devices": ["101d"], "drivers": ["mlx5_core"],
+"pfNames": ["enp3s0f0np0#0-7"], "rootDevices": ["0000:03:00.0#8"], "linkTypes": ["ether"],
+"isRdma": true, "needVhostNet": true}``: fields combine with AND, values inside one list with OR,
+an empty list does not filter. ``vendors``, ``devices`` and ``drivers`` are those of the SF's
+parent PCI PF; ``auxTypes`` is required and may hold only ``"sf"`` (the middle part of the
+auxiliary name ``mlx5_core.sf.4``), as upstream's ``ValidConfig`` demands; ``pfNames`` (the PF's
+uplink representor) and ``rootDevices`` (the PF's address) take ``#`` ranges over the SF's
+``sfnum``; ``linkTypes`` is the SF netdev's link type (its PF's when it has none); ``isRdma``
+keeps SFs with an RDMA device and hands out its character devices; ``needVhostNet`` (not a
+filter) adds ``/dev/vhost-net`` and ``/dev/net/tun``. Other keys are ignored, as upstream ignores
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from daemon.core import ConfigError, ConfigObject
+from daemon.handlers.pci import entry_problem, index_selected, pick_pf_entry
+
+from ._discovery import SF_TYPE, ParentPf, ScalableFunction
+
+log = logging.getLogger("devplugd.auxnet")
+
+AUX_TYPES = (SF_TYPE,)
+
+
+@dataclass(frozen=True)
+class AuxSelector:
+    """One selector object of a pool; its flags apply to the SFs it admitted."""
+
+    json_path: str
+    aux_types: tuple[str, ...]
+    vendors: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    drivers: tuple[str, ...] = ()
+    pf_names: tuple[str, ...] = ()
+    root_devices: tuple[str, ...] = ()
+    link_types: tuple[str, ...] = ()
+    is_rdma: bool = False
+    need_vhost_net: bool = False
+
+    def matches(self, sf: ScalableFunction, pf: ParentPf) -> bool:
+        if self.vendors and pf.vendor not in self.vendors:
+            return False
+        if self.devices and pf.device not in self.devices:
+            return False
+        if self.drivers and pf.driver not in self.drivers:
+            return False
+        if sf.aux_type not in self.aux_types:
+            return False
+        if self.pf_names:
+            entry = pick_pf_entry(self.pf_names, pf.name) if pf.name else None
+            if entry is None or not index_selected(entry, sf.sfnum):
+                return False
+        if self.root_devices:
+            entry = pick_pf_entry(self.root_devices, pf.address)
+            if entry is None or not index_selected(entry, sf.sfnum):
+                return False
+        if self.link_types and sf.link_type(pf) not in self.link_types:
+            return False
+        return not self.is_rdma or bool(sf.rdma_devices)
+
+
+def parse_aux_types(selector: ConfigObject) -> tuple[str, ...]:
+    aux_types = selector.string_list("auxTypes")
+    if not aux_types:
+        raise ConfigError(selector.path_of("auxTypes"),
+                          'is required in an auxNetDevice selector: ["sf"] (scalable functions, the only '
+                          "auxiliary devices supported, as upstream)")
+    for position, aux_type in enumerate(aux_types):
+        if aux_type not in AUX_TYPES:
+            raise ConfigError(f"{selector.path_of('auxTypes')}[{position}]",
+                              f'{aux_type!r} is not a supported auxiliary device type: only "sf" '
+                              "(scalable functions) is, as upstream")
+    return aux_types
+
+
+def parse_selector(selector: ConfigObject) -> AuxSelector:
+    parsed = AuxSelector(
+        json_path=selector.json_path,
+        aux_types=parse_aux_types(selector),
+        vendors=selector.string_list("vendors"),
+        devices=selector.string_list("devices"),
+        drivers=selector.string_list("drivers"),
+        pf_names=selector.string_list("pfNames"),
+        root_devices=selector.string_list("rootDevices"),
+        link_types=selector.string_list("linkTypes"),
+        is_rdma=selector.get("isRdma", bool, False),
+        need_vhost_net=selector.get("needVhostNet", bool, False),
+    )
+    if len(parsed.link_types) > 1:
+        log.warning("%s: more than one link type given", selector.path_of("linkTypes"))
+    for key, entries in (("pfNames", parsed.pf_names), ("rootDevices", parsed.root_devices)):
+        for position, entry in enumerate(entries):
+            if problem := entry_problem(entry):
+                log.warning("%s[%d]: %r: %s", selector.path_of(key), position, entry, problem)
+    return parsed
