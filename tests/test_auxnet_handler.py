@@ -189,16 +189,13 @@ def test_flags_apply_to_the_sfs_their_own_selector_object_admitted(aux_world: Au
     assert len(devices["mlx5_core.sf.7"].specs) == 4 and "rdma" in devices["mlx5_core.sf.7"].details.info
 
 
-@pytest.mark.parametrize("nodes", [("vhost-net", "net/tun"), ("vhost-net",), ("net/tun",)])
-def test_need_vhost_net_adds_vhost_and_tun_only_when_both_exist(aux_world: AuxPools, nodes: tuple[str, ...]) -> None:
+def test_need_vhost_net_is_ignored_as_upstreams_aux_selectors_have_no_such_field(aux_world: AuxPools) -> None:
     standard_tree(aux_world.tree)
-    for node in nodes:
+    for node in ("vhost-net", "net/tun"):
         aux_world.host.add_dev_node(node)
     info = aux_world.build(aux_world.handler.scan(), pool("p", {"pfNames": ["p0#1"], "needVhostNet": True}))["p"]
     (sf,) = info.values()
-    both = len(nodes) == 2
-    assert [spec.host_path for spec in sf.specs] == (["/dev/vhost-net", "/dev/net/tun"] if both else [])
-    assert ("vhost" in sf.details.info) == both
+    assert sf.specs == () and "vhost" not in sf.details.info
 
 
 def test_an_unbound_pf_offers_no_sfs(aux_world: AuxPools) -> None:
@@ -247,22 +244,19 @@ def test_allocate_gives_specs_and_envs_byte_for_byte(aux_world: AuxPools, ram_ho
         ("/dev/infiniband/umad2", "/dev/infiniband/umad2", "rw"),
         ("/dev/infiniband/uverbs2", "/dev/infiniband/uverbs2", "rw"),
         ("/dev/infiniband/rdma_cm", "/dev/infiniband/rdma_cm", "rw"),
-        ("/dev/vhost-net", "/dev/vhost-net", "rw"),
-        ("/dev/net/tun", "/dev/net/tun", "rw"),
         ("/dev/infiniband/issm1", "/dev/infiniband/issm1", "rw"),
         ("/dev/infiniband/umad1", "/dev/infiniband/umad1", "rw"),
         ("/dev/infiniband/uverbs1", "/dev/infiniband/uverbs1", "rw"),
     ]
     rdma = '"rdma":{{"issm":"/dev/infiniband/issm{n}","rdma_cm":"/dev/infiniband/rdma_cm","rdma_dev":"mlx5_{m}",' \
            '"umad":"/dev/infiniband/umad{n}","uverbs":"/dev/infiniband/uverbs{n}"}}'
-    vhost = '"vhost":{"net-mount":"/dev/vhost-net","tun-mount":"/dev/net/tun"}'
     assert answer.envs == {
         "PCIDEVICE_NVIDIA_COM_RDMA_SFS": "mlx5_core.sf.7,mlx5_core.sf.2",
         "PCIDEVICE_NVIDIA_COM_RDMA_SFS_INFO":
             '{"mlx5_core.sf.2":{"extra":{"site":"rack1","x":"pf-a"},"generic":{"deviceID":"mlx5_core.sf.2"},'
-            + rdma.format(n=1, m=2) + "," + vhost + "},"
+            + rdma.format(n=1, m=2) + "},"
             '"mlx5_core.sf.7":{"extra":{"site":"rack1","x":"all"},"generic":{"deviceID":"mlx5_core.sf.7"},'
-            + rdma.format(n=2, m=3) + "," + vhost + "}}",
+            + rdma.format(n=2, m=3) + "}}",
     }
     assert answer.mounts == [] and answer.annotations == {}
     assert not (ram_host.root / "devinfo").exists()  # upstream writes no device-info file for SFs

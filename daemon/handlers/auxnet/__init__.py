@@ -6,7 +6,7 @@ plugin's pools of that type.
 "pfNames": ["p0#1-4"]}}`` offers each SF its selectors admit (see ``_selectors``; ``auxTypes`` is
 required and may only be ``["sf"]``), first pool and selector in file order winning. The device
 ID is the auxiliary device name, the NUMA node its PF's. Allocate gives the RDMA character devices
-(``isRdma``) and ``/dev/vhost-net`` with ``/dev/net/tun`` (``needVhostNet``), plus
+(``isRdma``), plus
 ``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs) and its ``_INFO`` JSON as upstream writes them; no
 device-info file (upstream writes none for this type).
 
@@ -86,8 +86,7 @@ class AuxNetHandler:
         return facts
 
     def build(self, facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]]) -> dict[str, DeviceMap]:
-        vhost_available = os.path.exists(f"{self._dev_root}/vhost-net") and os.path.exists(f"{self._dev_root}/net/tun")
-        return build_pools(facts, pools, vhost_available)
+        return build_pools(facts, pools)
 
     # PostAllocator: the default answer has the specs; add PCIDEVICE_* and its _INFO.
     def post_allocate(

@@ -8,8 +8,7 @@ device name; the NUMA node is the PF's. An SF is Unhealthy while its netdev's li
 administratively up without carrier.
 
 What an SF contributes to Allocate is worked out here too: the device specs (its RDMA character
-devices for an ``isRdma`` selector, ``/dev/vhost-net`` and ``/dev/net/tun`` for ``needVhostNet``
-when both exist) and its ``_INFO`` entry (``generic``, ``rdma``, ``vhost``, ``extra``; the
+devices for an ``isRdma`` selector) and its ``_INFO`` entry (``generic``, ``rdma``, ``extra``; the
 ``additionalInfo`` of ``"*"`` first, then of the PF's PCI address, which upstream keys SFs by).
 """
 
@@ -19,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec
-from daemon.handlers.pci import VHOST_NET_INFO, VHOST_NET_SPECS, rdma_specs_and_info
+from daemon.handlers.pci import rdma_specs_and_info
 
 from ._discovery import AuxFacts, ParentPf, ScalableFunction
 from ._selectors import AuxSelector
@@ -46,7 +45,7 @@ def health(sf: ScalableFunction, facts: AuxFacts) -> str:
 
 def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, facts: AuxFacts,
                    additional_info: Mapping[str, Mapping[str, str]] | None,
-                   vhost_available: bool) -> tuple[tuple[DeviceSpec, ...], dict[str, dict[str, str]]]:
+                   ) -> tuple[tuple[DeviceSpec, ...], dict[str, dict[str, str]]]:
     specs: list[DeviceSpec] = []
     info: dict[str, dict[str, str]] = {"generic": {"deviceID": sf.name}}
     if additional_info is not None:
@@ -57,14 +56,10 @@ def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, fa
     if selector.is_rdma and sf.rdma_devices:
         rdma_specs, info["rdma"] = rdma_specs_and_info(sf.rdma_devices, facts.rdma_char_devices)
         specs.extend(rdma_specs)
-    if selector.need_vhost_net and vhost_available:
-        specs.extend(VHOST_NET_SPECS)
-        info["vhost"] = dict(VHOST_NET_INFO)
     return tuple(specs), info
 
 
-def build_pools(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]],
-                vhost_available: bool) -> dict[str, DeviceMap]:
+def build_pools(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]]) -> dict[str, DeviceMap]:
     devices: dict[str, dict[str, DeviceInfo]] = {pool.resource: {} for pool in pools}
     for name, sf in sorted(facts.sfs.items()):
         pf = facts.pfs.get(sf.pf_address)
@@ -74,7 +69,7 @@ def build_pools(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]],
         if placed is None:
             continue
         pool, selector = placed
-        specs, info = specs_and_info(sf, pf, selector, facts, pool.entry.additional_info, vhost_available)
+        specs, info = specs_and_info(sf, pf, selector, facts, pool.entry.additional_info)
         numa = pf.numa_node
         devices[pool.resource][name] = DeviceInfo(
             health=health(sf, facts),
