@@ -13,7 +13,6 @@ of the kernel's events later than the change sees them.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -31,11 +30,11 @@ from daemon.core import (
     ResourcePool,
     UEvent,
     allocate_container,
-    parse_config,
 )
 from daemon.handlers.auxnet import AuxNetHandler
 from tests.auxsysfs import AuxTree
 from tests.fakesysfs import FakeHost
+from tests.handlerpools import build_by_name, configure_pools
 
 PREFIX = "nvidia.com"
 PF_A, PF_B = "0000:03:00.0", "0000:04:00.0"
@@ -160,15 +159,11 @@ class AuxPools:
         self.facts: Any = None
 
     def configure(self, *entries: dict[str, Any], prefix: str = PREFIX) -> list[ConfiguredPool[Any]]:
-        document = {"resourceList": [{"deviceType": "auxNetDevice", **entry} for entry in entries]}
-        table = {kind: (self.handler.name, self.handler.parse_pool) for kind in self.handler.device_types}
-        return list(parse_config(json.dumps(document), "t", prefix, table).pools)
+        return configure_pools(self.handler, entries, prefix, "auxNetDevice")
 
     def build(self, facts: Any, *entries: dict[str, Any]) -> dict[str, dict[str, DeviceInfo]]:
         """The devices of each pool (by resource name without the prefix) from ``facts``."""
-        configured = self.configure(*entries)
-        built = self.handler.build(facts, configured)
-        return {pool.resource.split("/")[1]: dict(built[pool.resource]) for pool in configured}
+        return build_by_name(self.handler, facts, self.configure(*entries))
 
     def ids(self, *entries: dict[str, Any]) -> dict[str, set[str]]:
         """The device IDs of each pool from a fresh scan."""

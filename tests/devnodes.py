@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
-from daemon.core import HandlerContext, parse_config
+from daemon.core import HandlerContext
 from daemon.handlers.devnode import DevNodeHandler
 from tests.fakesysfs import FakeHost
+from tests.handlerpools import configure_pools
 
 
 def mknod(root: Path, relative: str, major: int, minor: int, *, block: bool = False) -> Path:
@@ -34,9 +34,7 @@ class DevNodes:
         self.handler = DevNodeHandler(context)
 
     def configure(self, *entries: dict[str, Any]) -> list[Any]:
-        text = json.dumps({"resourceList": [{"deviceType": "devNode", **entry} for entry in entries]})
-        parsers = {"devNode": ("devnode", self.handler.parse_pool)}
-        return list(parse_config(text, "t", "devices.kubevirt.io", parsers).pools)
+        return configure_pools(self.handler, entries, "devices.kubevirt.io", "devNode")
 
     def build(self, *entries: dict[str, Any]) -> dict[str, dict[str, Any]]:
         configured = self.configure(*entries)

@@ -3,13 +3,13 @@ emulated-NVMe SR-IOV functions (as QEMU's emulated NVMe controller shows up)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from daemon.core import ContainerAllocation, HandlerContext, ResourcePool, default_allocation, parse_config
+from daemon.core import ContainerAllocation, HandlerContext, ResourcePool, default_allocation
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
+from tests.handlerpools import configure_pools
 
 NVME_CLASS = "010802"
 
@@ -23,8 +23,7 @@ class Pci:
         self.handler = handler or PciHandler(HandlerContext(host.sys, host.dev, host.proc, devinfo_dir))
 
     def configure(self, *entries: dict[str, Any], prefix: str = "intel.com") -> list[Any]:
-        table = {kind: (self.handler.name, self.handler.parse_pool) for kind in self.handler.device_types}
-        return list(parse_config(json.dumps({"resourceList": list(entries)}), "t", prefix, table).pools)
+        return configure_pools(self.handler, entries, prefix)
 
     def pools(self, *entries: dict[str, Any], prefix: str = "intel.com") -> dict[str, ResourcePool]:
         configured = self.configure(*entries, prefix=prefix)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,10 @@ from daemon.core import (
     Hooks,
     ResourcePool,
     allocate_container,
-    parse_config,
 )
 from daemon.handlers.usb import UsbDeviceHandler
 from tests.fakesysfs import FakeHost
+from tests.handlerpools import build_by_name, configure_pools
 from tests.usbtree import Step
 
 PREFIX = "intel.com"
@@ -35,15 +34,11 @@ class UsbPools:
                                                        udev_data=udev_data))
 
     def configure(self, *entries: dict[str, Any]) -> list[ConfiguredPool[Any]]:
-        document = {"resourceList": [{"deviceType": "usbDevice", **entry} for entry in entries]}
-        table = {kind: (self.handler.name, self.handler.parse_pool) for kind in self.handler.device_types}
-        return list(parse_config(json.dumps(document), "t", PREFIX, table).pools)
+        return configure_pools(self.handler, entries, PREFIX, "usbDevice")
 
     def build(self, facts: Any, *entries: dict[str, Any]) -> dict[str, dict[str, DeviceInfo]]:
         """The devices of each pool (by resource name without the prefix) from ``facts``."""
-        configured = self.configure(*entries)
-        built = self.handler.build(facts, configured)
-        return {pool.resource.split("/")[1]: dict(built[pool.resource]) for pool in configured}
+        return build_by_name(self.handler, facts, self.configure(*entries))
 
     def scan_build(self, *entries: dict[str, Any]) -> dict[str, dict[str, DeviceInfo]]:
         return self.build(self.handler.scan(), *entries)

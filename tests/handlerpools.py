@@ -1,0 +1,25 @@
+"""A handler's pools from config entries, parsed and built as the daemon does it: the shared part
+of the per-handler test drivers (tests/pci.py, usbpools.py, auxpools.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from daemon.core import ConfiguredPool, DeviceInfo, parse_config
+
+
+def configure_pools(handler: Any, entries: Iterable[dict[str, Any]], prefix: str,
+                    device_type: str | None = None) -> list[ConfiguredPool[Any]]:
+    """``entries`` as the ``resourceList`` of a config file, parsed with ``handler``'s parser
+    (``device_type``, when given, is put in every entry)."""
+    listed = [{"deviceType": device_type, **entry} if device_type else entry for entry in entries]
+    table = {kind: (handler.name, handler.parse_pool) for kind in handler.device_types}
+    return list(parse_config(json.dumps({"resourceList": listed}), "t", prefix, table).pools)
+
+
+def build_by_name(handler: Any, facts: Any, configured: list[ConfiguredPool[Any]]) -> dict[str, dict[str, DeviceInfo]]:
+    """The devices of each pool built from ``facts``, by resource name without the prefix."""
+    built = handler.build(facts, configured)
+    return {pool.resource.split("/")[1]: dict(built[pool.resource]) for pool in configured}
