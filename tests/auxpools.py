@@ -14,7 +14,7 @@ of the kernel's events later than the change sees them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -26,15 +26,13 @@ from daemon.core import (
     DeviceInfo,
     Event,
     HandlerContext,
-    Hooks,
     ResourcePool,
     UEvent,
-    allocate_container,
 )
 from daemon.handlers.auxnet import AuxNetHandler
 from tests.auxsysfs import AuxTree
 from tests.fakesysfs import FakeHost
-from tests.handlerpools import build_by_name, configure_pools
+from tests.handlerpools import allocate_as_daemon, build_by_name, configure_pools, pool_of
 
 PREFIX = "nvidia.com"
 PF_A, PF_B = "0000:03:00.0", "0000:04:00.0"
@@ -182,13 +180,10 @@ class AuxPools:
 
     def pool(self, entry: dict[str, Any], facts: Any = None) -> ResourcePool:
         (configured,) = self.configure(entry)
-        facts = self.handler.scan() if facts is None else facts
-        devices: Mapping[str, DeviceInfo] = self.handler.build(facts, [configured])[configured.resource]
-        return ResourcePool(configured.resource, self.handler.name, configured, devices)
+        return pool_of(self.handler, configured, facts)
 
     def allocate(self, pool: ResourcePool, device_ids: list[str]) -> ContainerAllocation:
-        """The Allocate answer the daemon would give (the default answer, then post_allocate)."""
-        return allocate_container(Hooks.of(self.handler), pool, device_ids)
+        return allocate_as_daemon(self.handler, pool, device_ids)
 
 
 def standard_tree(tree: AuxTree) -> None:

@@ -4,10 +4,18 @@ of the per-handler test drivers (tests/pci.py, usbpools.py, auxpools.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from daemon.core import ConfiguredPool, DeviceInfo, parse_config
+from daemon.core import (
+    ConfiguredPool,
+    ContainerAllocation,
+    DeviceInfo,
+    Hooks,
+    ResourcePool,
+    allocate_container,
+    parse_config,
+)
 
 
 def configure_pools(handler: Any, entries: Iterable[dict[str, Any]], prefix: str,
@@ -23,3 +31,15 @@ def build_by_name(handler: Any, facts: Any, configured: list[ConfiguredPool[Any]
     """The devices of each pool built from ``facts``, by resource name without the prefix."""
     built = handler.build(facts, configured)
     return {pool.resource.split("/")[1]: dict(built[pool.resource]) for pool in configured}
+
+
+def pool_of(handler: Any, configured: ConfiguredPool[Any], facts: Any = None) -> ResourcePool:
+    """The one pool ``configured`` as the tree holds it, built from ``facts`` (a fresh scan by default)."""
+    facts = handler.scan() if facts is None else facts
+    devices: Mapping[str, DeviceInfo] = handler.build(facts, [configured])[configured.resource]
+    return ResourcePool(configured.resource, handler.name, configured, devices)
+
+
+def allocate_as_daemon(handler: Any, pool: ResourcePool, device_ids: list[str]) -> ContainerAllocation:
+    """The Allocate answer the daemon would give (the handler's hooks, else the default answer)."""
+    return allocate_container(Hooks.of(handler), pool, device_ids)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +12,11 @@ from daemon.core import (
     ContainerAllocation,
     DeviceInfo,
     HandlerContext,
-    Hooks,
     ResourcePool,
-    allocate_container,
 )
 from daemon.handlers.usb import UsbDeviceHandler
 from tests.fakesysfs import FakeHost
-from tests.handlerpools import build_by_name, configure_pools
+from tests.handlerpools import allocate_as_daemon, build_by_name, configure_pools, pool_of
 from tests.usbtree import Step
 
 PREFIX = "intel.com"
@@ -55,13 +53,10 @@ class UsbPools:
 
     def pool(self, entry: dict[str, Any], facts: Any = None) -> ResourcePool:
         (configured,) = self.configure(entry)
-        facts = self.handler.scan() if facts is None else facts
-        devices: Mapping[str, DeviceInfo] = self.handler.build(facts, [configured])[configured.resource]
-        return ResourcePool(configured.resource, self.handler.name, configured, devices)
+        return pool_of(self.handler, configured, facts)
 
     def allocate(self, pool: ResourcePool, device_ids: list[str]) -> ContainerAllocation:
-        """The Allocate answer the daemon would give (the handler's hooks, else the default)."""
-        return allocate_container(Hooks.of(self.handler), pool, device_ids)
+        return allocate_as_daemon(self.handler, pool, device_ids)
 
 
 def node_paths(info: DeviceInfo) -> list[str]:
