@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "burst": (),
     "idle": ("--seconds", "20"),
     "usb_hotplug": (),
+    "auxnet_sfs": (),
     "guest_bind": (),
     "guest_aer": (),
     "guest_usb": (),

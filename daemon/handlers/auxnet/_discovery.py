@@ -79,6 +79,8 @@ class ScalableFunction:
     netdevs: tuple[str, ...]
     netdev_link_type: str  # of its first netdev ("" without one)
     rdma_devices: tuple[str, ...]
+    # its RDMA devices' character devices (rdmamap's order), read from its own directory
+    rdma_char_devices: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def aux_type(self) -> str:
@@ -95,12 +97,11 @@ class ScalableFunction:
 
 @dataclass(frozen=True)
 class AuxFacts:
-    """SFs by name, the PFs they belong to (exactly those that have one), the RDMA character
-    devices by RDMA device, and link states (from rtnetlink, kept across rescans)."""
+    """SFs by name, the PFs they belong to (exactly those that have one), and link states (from
+    rtnetlink, kept across rescans)."""
 
     sfs: Mapping[str, ScalableFunction]
     pfs: Mapping[str, ParentPf]
-    rdma_char_devices: Mapping[str, tuple[str, ...]]
     links: Mapping[str, LinkState] = field(default_factory=lambda: _EMPTY)
 
 
@@ -119,7 +120,7 @@ def _netdev_link_type(net_dir: str) -> str:
     return "" if arphrd is None else link_type_name(arphrd)
 
 
-def read_sf(sysfs_root: str, devpath: str) -> ScalableFunction | None:
+def read_sf(sysfs_root: str, dev_root: str, devpath: str) -> ScalableFunction | None:
     """The SF at ``devpath``; ``None`` when its directory is gone (before or while it was read)."""
     directory = sysfs_root + devpath
     name = os.path.basename(devpath)
@@ -129,6 +130,8 @@ def read_sf(sysfs_root: str, devpath: str) -> ScalableFunction | None:
             return None
         raise SysfsError(f"{directory}/sfnum: missing (an auxiliary device of type sf without an SF number)")
     netdevs = tuple(list_dir(f"{directory}/net"))
+    rdma_devices = tuple(list_dir(f"{directory}/infiniband"))
+    char_devices = read_rdma_char_devices(sysfs_root, dev_root, below=directory) if rdma_devices else {}
     sf = ScalableFunction(
         name=name,
         devpath=devpath,
@@ -137,7 +140,8 @@ def read_sf(sysfs_root: str, devpath: str) -> ScalableFunction | None:
         driver=link_name(f"{directory}/driver"),
         netdevs=netdevs,
         netdev_link_type=_netdev_link_type(f"{directory}/net/{netdevs[0]}") if netdevs else "",
-        rdma_devices=tuple(list_dir(f"{directory}/infiniband")),
+        rdma_devices=rdma_devices,
+        rdma_char_devices=tuple((rdma, char_devices[rdma]) for rdma in rdma_devices if rdma in char_devices),
     )
     return sf if os.path.isdir(directory) else None
 
@@ -191,12 +195,13 @@ def read_pf(sysfs_root: str, address: str) -> ParentPf | None:
     return pf if os.path.isdir(bus_entry) else None
 
 
-def read_sf_logged(sysfs_root: str, devpath: str, *, gone_level: int | None) -> ScalableFunction | None:
+def read_sf_logged(sysfs_root: str, dev_root: str, devpath: str, *,
+                   gone_level: int | None) -> ScalableFunction | None:
     """``read_sf``, the reason logged when it cannot be used; ``gone_level``: the level to say at
     that its directory is gone (``None``: not worth a line: it was not known)."""
     name = os.path.basename(devpath)
     try:
-        sf = read_sf(sysfs_root, devpath)
+        sf = read_sf(sysfs_root, dev_root, devpath)
     except SysfsError as error:
         log.warning("auxiliary device %s left out: %s", name, error, extra={"AUX_DEVICE": name})
         return None
@@ -269,10 +274,9 @@ def scan_aux(sysfs_root: str, dev_root: str) -> AuxFacts:
     sfs: dict[str, ScalableFunction] = {}
     for name, devpath in listed_sfs(sysfs_root).items():
         # listed on the bus but gone: its PF vanished while the bus was read
-        sf = read_sf_logged(sysfs_root, devpath, gone_level=logging.WARNING)
+        sf = read_sf_logged(sysfs_root, dev_root, devpath, gone_level=logging.WARNING)
         if sf is not None:
             sfs[name] = sf
     pfs: dict[str, ParentPf] = {}
     with_pfs(sysfs_root, sfs, pfs, {sf.pf_address for sf in sfs.values()})
-    return AuxFacts(sfs=MappingProxyType(sfs), pfs=MappingProxyType(pfs),
-                    rdma_char_devices=MappingProxyType(read_rdma_char_devices(sysfs_root, dev_root)))
+    return AuxFacts(sfs=MappingProxyType(sfs), pfs=MappingProxyType(pfs))

@@ -54,7 +54,7 @@ def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, fa
             extra.update(additional_info.get(key, {}))
         info["extra"] = extra
     if selector.is_rdma and sf.rdma_devices:
-        rdma_specs, info["rdma"] = rdma_specs_and_info(sf.rdma_devices, facts.rdma_char_devices)
+        rdma_specs, info["rdma"] = rdma_specs_and_info(sf.rdma_devices, dict(sf.rdma_char_devices))
         specs.extend(rdma_specs)
     return tuple(specs), info
 

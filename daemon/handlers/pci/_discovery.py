@@ -156,13 +156,18 @@ _RDMA_CHAR_CLASSES = (
 )
 
 
-def read_rdma_char_devices(sysfs_root: str, dev_root: str) -> dict[str, tuple[str, ...]]:
+def read_rdma_char_devices(sysfs_root: str, dev_root: str, below: str | None = None) -> dict[str, tuple[str, ...]]:
     """RDMA device name -> its character devices, as rdmamap's GetRdmaCharDevices lists them:
-    ucm, issm, umad, uverbs, then ``/dev/infiniband/rdma_cm`` when that node exists."""
+    ucm, issm, umad, uverbs, then ``/dev/infiniband/rdma_cm`` when that node exists.
+
+    ``below``: a device directory, whose RDMA devices' character devices are read from its own
+    ``infiniband_verbs/``, ``infiniband_mad/`` and ``infiniband_cm/`` (the kernel parents them to
+    the RDMA device's parent), instead of from every entry of ``<sysfs>/class``: the same answer
+    for that device's RDMA devices at the cost of its few entries."""
     owners: dict[tuple[str, str], dict[str, str]] = {}
     rdma_devices: set[str] = set()
     for class_name, prefix in _RDMA_CHAR_CLASSES:
-        class_dir = join(sysfs_root, "class", class_name)
+        class_dir = join(below, class_name) if below is not None else join(sysfs_root, "class", class_name)
         first_by_owner: dict[str, str] = {}
         for entry in list_dir(class_dir):
             if prefix not in entry:
