@@ -38,8 +38,6 @@ from daemon.core import (
 
 from ._allocation import (
     VFIO_DRIVER,
-    VHOST_NET_INFO,
-    VHOST_NET_SPECS,
     PciDetails,
     allocation_envs,
     devinfo_file_name,
@@ -58,7 +56,6 @@ from ._discovery import (
     PciFacts,
     pci_devpath,
     pcie_root_of,
-    read_default_pkey,
     read_rdma_char_devices,
     read_vfio_binding,
     scan_pci,
@@ -92,12 +89,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("devplugd.pci")
 
 # What the auxNetDevice handler shares with this one: the SR-IOV plugin's PF/index selectors,
-# its RDMA and vhost-net answers, its _INFO encoding, link types, RDMA char devices, the shape of
-# a PCI address and a function's PCIe root.
+# its RDMA answer, its _INFO encoding, link types, RDMA char devices, the shape of a PCI address
+# and a function's PCIe root.
 __all__ = [
-    "PCI_ADDRESS", "RDMA_SUBSYSTEMS", "VHOST_NET_INFO", "VHOST_NET_SPECS", "PciHandler", "entry_problem",
-    "go_json", "index_selected", "link_type_name", "pcie_root_of", "pick_pf_entry", "rdma_specs_and_info",
-    "read_default_pkey", "read_rdma_char_devices",
+    "PCI_ADDRESS", "RDMA_SUBSYSTEMS", "PciHandler", "entry_problem", "go_json", "index_selected", "link_type_name",
+    "pcie_root_of", "pick_pf_entry", "rdma_specs_and_info", "read_rdma_char_devices",
 ]
 
 
