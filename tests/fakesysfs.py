@@ -204,10 +204,15 @@ class FakeHost:
         (self.device_dir(address) / "uio" / f"uio{index}").mkdir(parents=True, exist_ok=True)
 
     def add_rdma(self, address: str, rdma_device: str, index: int) -> None:
+        """An RDMA device of the function with its user devices: the kernel parents them to the
+        RDMA device's parent, the function (``<function>/infiniband_verbs/uverbsN``), and links
+        them from ``class/<class>/`` (the layout tests/auxsysfs.py documents)."""
         (self.device_dir(address) / "infiniband" / rdma_device).mkdir(parents=True, exist_ok=True)
         for class_name, prefix in (("infiniband_verbs", "uverbs"), ("infiniband_mad", "umad"),
                                    ("infiniband_mad", "issm"), ("infiniband_cm", "ucm")):
-            write_file(self.sys / "class" / class_name / f"{prefix}{index}" / "ibdev", f"{rdma_device}\n")
+            device = self.device_dir(address) / class_name / f"{prefix}{index}"
+            write_file(device / "ibdev", f"{rdma_device}\n")
+            relative_link(self.sys / "class" / class_name / f"{prefix}{index}", device)
             self.add_dev_node(f"infiniband/{prefix}{index}")
         self.add_dev_node("infiniband/rdma_cm")
 

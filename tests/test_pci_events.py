@@ -9,6 +9,7 @@ after every step. Link events are checked the same way against a snapshot of the
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,45 @@ def test_uevent_for_a_vanished_device_drops_it_and_a_garbage_path_changes_nothin
     world.host.remove_pci(vf)  # gone before its uevent is read
     world.fold(uevent("change", world.host.devpath(PF_A), "pci"))
     assert vf not in world.pools(world.facts)["intel.com/vfio"]
+
+
+def test_rdma_uevents_fold_each_functions_char_devices_to_what_a_scan_reads(tmp_path: Path) -> None:
+    """An RDMA device and its user devices appearing on VFs, and going, as their uevents come: the
+    folded facts hold exactly the char devices a full scan reads (only the function's own
+    directory is read per event), and the isRdma pool hands them out."""
+    host = FakeHost(tmp_path)
+    handler = PciHandler(HandlerContext(host.sys, host.dev, host.proc, tmp_path / "devinfo"))
+    config = parse_config(json.dumps({"resourceList": [{"resourceName": "rdma", "selectors": {"isRdma": True}}]}),
+                          "test", "intel.com", {t: ("pci", handler.parse_pool) for t in handler.device_types})
+    host.add_pf(PF_A, netdev="ensa", vendor="15b3", device="101d", driver="mlx5_core")
+    vfs = [vf_address(PF_A, index) for index in range(3)]
+    host.add_vfs(PF_A, vfs, vendor="15b3", device="101e", driver="mlx5_core",
+                 netdev_names=[f"ensav{index}" for index in range(3)])
+    facts = handler.scan()
+
+    def rdma_events(address: str, index: int, action: str) -> list[UEvent]:
+        return [uevent(action, host.devpath(address, *below), subsystem) for below, subsystem in (
+            (("infiniband", f"mlx5_{index}"), "infiniband"), (("infiniband_verbs", f"uverbs{index}"), "infiniband_verbs"),
+            (("infiniband_mad", f"umad{index}"), "infiniband_mad"), (("infiniband_mad", f"issm{index}"), "infiniband_mad"))]
+
+    def check(expected: dict[str, int]) -> None:
+        scanned = handler.scan()
+        assert dict(facts.rdma_char_devices) == dict(scanned.rdma_char_devices)
+        pool = handler.build(facts, config.pools)["intel.com/rdma"]
+        assert {address: len(info.specs) for address, info in pool.items()} == expected
+
+    for index, address in enumerate(vfs[:2]):
+        host.add_rdma(address, f"mlx5_{index}", index)
+        for event in rdma_events(address, index, "add"):
+            facts = handler.fold(facts, event)
+    check({vfs[0]: 5, vfs[1]: 5})  # ucm, issm, umad, uverbs and rdma_cm each
+    gone = vfs[0]
+    events = rdma_events(gone, 0, "remove")
+    for name in ("infiniband", "infiniband_verbs", "infiniband_mad", "infiniband_cm"):
+        shutil.rmtree(host.device_dir(gone) / name)
+    for class_name, prefix in (("infiniband_verbs", "uverbs"), ("infiniband_mad", "umad"),
+                               ("infiniband_mad", "issm"), ("infiniband_cm", "ucm")):
+        (host.sys / "class" / class_name / f"{prefix}0").unlink()
+    for event in events:
+        facts = handler.fold(facts, event)
+    check({vfs[1]: 5})

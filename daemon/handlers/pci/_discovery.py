@@ -457,7 +457,8 @@ def scan_pci(sysfs_root: PathLike, dev_root: PathLike, proc_root: PathLike) -> P
     sysfs, dev, proc = os.fspath(sysfs_root), os.fspath(dev_root), os.fspath(proc_root)
     addresses = list_dir(join(sysfs, "bus", "pci", "devices"))
     read = read_devices(sysfs, proc, addresses)
-    return PciFacts(
-        devices=MappingProxyType({address: device for address, device in read.items() if device is not None}),
-        rdma_char_devices=MappingProxyType(read_rdma_char_devices(sysfs, dev)),
-    )
+    devices = {address: device for address, device in read.items() if device is not None}
+    owned = {name for device in devices.values() for name in device.rdma_devices}
+    # only the functions' own RDMA devices (not an SF's below them): what a fold keeps up to date
+    rdma = {name: paths for name, paths in read_rdma_char_devices(sysfs, dev).items() if name in owned}
+    return PciFacts(devices=MappingProxyType(devices), rdma_char_devices=MappingProxyType(rdma))
