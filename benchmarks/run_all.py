@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, ...]] = {
     "idle": ("--seconds", "20"),
     "usb_hotplug": (),
     "auxnet_sfs": (),
+    "metrics_scrape": (),
     "guest_bind": (),
     "guest_aer": (),
     "guest_usb": (),
