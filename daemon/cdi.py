@@ -2,7 +2,10 @@
 
 One file per pool in the CDI directory, ``devplugd-<vendor>-<class>.json``, holding one CDI
 device per device ID with its device nodes, env and mounts. The kind is the resource name made
-valid for CDI (``<vendor>/<class>``: the class may not contain dots). ``cdiVersion`` is the
+valid for CDI (``<vendor>/<class>``: the class may not contain dots), except for auxNetDevice
+pools, whose kind is the SR-IOV plugin's for that type (``<prefix>/net-sf``: several such pools
+of one prefix then share it, each in its own file, their device names, the auxiliary device
+names, unique on the host). ``cdiVersion`` is the
 lowest that carries what is used: 0.3.0, or 0.5.0 when a device node's host path differs from
 its container path (``hostPath``). Files are written atomically and only when their content
 changes; a pool that goes away takes its file with it. Only ``devplugd-*`` files are touched, and
@@ -23,6 +26,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, DeviceTree, Mount, ResourcePool
@@ -36,6 +40,9 @@ CLAIM_FILE_PREFIX = FILE_PREFIX + "claim-"
 SETTLE_SECONDS = 0.05  # specs follow a change this much later (timer armed only by a change)
 _CLASS_INVALID = re.compile(r"[^A-Za-z0-9_-]")
 _NAME_INVALID = re.compile(r"[^A-Za-z0-9_.:-]")
+# deviceType -> the class of the CDI kind the SR-IOV plugin's CDI mode gives its pools, where we
+# keep upstream's (pkg/cdi: ``<prefix>/net-sf`` for auxNetDevice)
+UPSTREAM_CLASSES: Mapping[str, str] = MappingProxyType({"auxNetDevice": "net-sf"})
 
 
 def cdi_kind(resource: str) -> str:
@@ -50,19 +57,28 @@ def cdi_kind(resource: str) -> str:
     return f"{vendor}/{cdi_class}"
 
 
+def pool_kind(pool: ResourcePool) -> str:
+    """The CDI kind of a pool's devices: its resource name's, or upstream's for its type."""
+    entry = pool.pool_config.entry if pool.pool_config is not None else None
+    upstream = UPSTREAM_CLASSES.get(entry.device_type) if entry is not None else None
+    return cdi_kind(f"{entry.resource_prefix}/{upstream}" if entry is not None and upstream else pool.resource)
+
+
 def cdi_device_name(device_id: str) -> str:
     return _NAME_INVALID.sub("_", device_id)
 
 
-def cdi_names(resource: str, device_ids: Sequence[str]) -> list[str]:
-    kind = cdi_kind(resource)
+def cdi_names(pool: ResourcePool, device_ids: Sequence[str]) -> list[str]:
+    kind = pool_kind(pool)
     return [f"{kind}={cdi_device_name(device_id)}" for device_id in device_ids]
 
 
-def with_cdi_names(allocation: ContainerAllocation, resource: str, device_ids: Sequence[str]) -> ContainerAllocation:
+def with_cdi_names(
+    allocation: ContainerAllocation, pool: ResourcePool, device_ids: Sequence[str]
+) -> ContainerAllocation:
     """``allocation`` with the CDI names of ``device_ids`` added, less those the handler had to
     read afresh (their spec may still say the old thing)."""
-    allocation.cdi_devices.extend(cdi_names(resource, [d for d in device_ids if d not in allocation.reread]))
+    allocation.cdi_devices.extend(cdi_names(pool, [d for d in device_ids if d not in allocation.reread]))
     return allocation
 
 
@@ -136,7 +152,7 @@ def spec_bytes(pool: ResourcePool, known: _Fragments) -> tuple[bytes, _Fragments
             cached = (info, json.dumps(entry, separators=(",", ":")).encode(), needs_host_path)
         fragments[device_id] = cached
     version = cdi_version(any(needs for _, _, needs in fragments.values()))
-    head = json.dumps({"cdiVersion": version, "kind": cdi_kind(pool.resource)}, separators=(",", ":"))
+    head = json.dumps({"cdiVersion": version, "kind": pool_kind(pool)}, separators=(",", ":"))
     content = head[:-1].encode() + b',"devices":[' + b",".join(f for _, f, _ in fragments.values()) + b"]}"
     return content, fragments
 

@@ -21,6 +21,7 @@ from tests.daemonrun import DaemonProcess
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.seam import Seam, run_with_seam
+from tests.waiting import wait_until
 
 PF = "0000:03:00.0"
 SFS, RDMA = "nvidia.com/bf_sfs", "nvidia.com/rdma_sfs"
@@ -126,3 +127,25 @@ def test_a_bad_aux_types_on_reload_is_refused_and_the_pools_stay_served(
     wait_for_list(kubelet, SFS, {"mlx5_core.sf.1", name})  # the old pools still follow the kernel
     assert kubelet.state(SFS).connected and kubelet.state(SFS).registrations == 1
     assert daemon.process.poll() is None
+
+
+def test_cdi_specs_and_names_of_sfs_use_upstreams_net_sf_kind(
+        tree: AuxTree, kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam,
+        short_tmp: Path) -> None:
+    """As the SR-IOV plugin's CDI mode names them: kind ``<prefix>/net-sf`` for every auxNetDevice
+    pool of that prefix, each pool in its own spec file."""
+    run_daemon(CONFIG, "--uevent-source", f"unix:{seam.path}", "--cdi")
+    seam.wait_ready()
+    wait_for_list(kubelet, SFS, {"mlx5_core.sf.1"})
+    wait_for_list(kubelet, RDMA, {"mlx5_core.sf.2"})
+    answer = kubelet.allocate(SFS, ["mlx5_core.sf.1"]).container_responses[0]
+    assert [device.name for device in answer.cdi_devices] == ["nvidia.com/net-sf=mlx5_core.sf.1"]
+
+    def specs() -> dict[str, Any]:
+        return {path.name: json.loads(path.read_text()) for path in sorted((short_tmp / "cdi").glob("devplugd-*.json"))}
+
+    wait_until(lambda: len(specs()) == 2, what=lambda: f"two CDI specs, found {sorted(specs())}")
+    written = specs()
+    assert {spec["kind"] for spec in written.values()} == {"nvidia.com/net-sf"}
+    assert sorted(device["name"] for spec in written.values() for device in spec["devices"]) == [
+        "mlx5_core.sf.1", "mlx5_core.sf.2"]

@@ -184,7 +184,7 @@ def test_a_group_change_is_reported_for_a_re_read_and_kept_out_of_cdi(host: Fake
     add_nvme_pf(host, NVME_PF, ["vfio-pci", "vfio-pci"])
     pool = pci.pool({"resourceName": "nvme", "deviceType": "pciDevice", "selectors": {}})
     host.set_iommu_group(NVME_VFS[1], 32)
-    allocation = with_cdi_names(allocate_container(Hooks.of(pci.handler), pool, NVME_VFS[:2]), pool.resource, NVME_VFS[:2])
+    allocation = with_cdi_names(allocate_container(Hooks.of(pci.handler), pool, NVME_VFS[:2]), pool, NVME_VFS[:2])
     assert allocation.cdi_devices == [f"intel.com/nvme={NVME_VFS[0]}"]  # the CDI spec still says group 11
     assert [(event.action, event.devpath) for event in reports] == [("change", host.devpath(NVME_VFS[1]))]
     facts = pci.handler.fold(pci.handler.scan(), reports[0])

@@ -321,7 +321,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
                           extra={"RESOURCE": self.resource})
                 await refuse(context, grpc.StatusCode.INTERNAL, f"container request {index}: {error}")
             if self._with_cdi:
-                with_cdi_names(allocation, self.resource, device_ids)
+                with_cdi_names(allocation, pool, device_ids)
             responses.append(container_response(allocation))
         return dp.AllocateResponse(container_responses=responses)
 

@@ -240,7 +240,7 @@ class HostServicer(host_grpc.HostServicer):
                     else grpc.StatusCode.INTERNAL)
             await refuse(context, code, f"lease failed: {error}")
         if self._with_cdi:
-            with_cdi_names(allocation, pool.resource, chosen)
+            with_cdi_names(allocation, pool, chosen)
         lease = Lease.grant(pool.resource, request.owner, chosen, allocation)
         self._leases.reserve(lease)
         self._leases_changed()  # its devices leave the kubelet's lists now, not after the write
