@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import pytest
@@ -209,3 +210,12 @@ def test_the_config_json_with_both_selectors_checks_out(pci: Pci) -> None:
     text = json.dumps({"resourceList": [entry("ib_rdma", {"linkTypes": ["infiniband"], "isRdma": True,
                                                           "pKeys": ["0x7fff"]})]})
     assert pci.configure(*json.loads(text)["resourceList"])[0].spec.selectors[0].pkeys == frozenset({0x7FFF})
+
+
+def test_a_dangling_vdpa_bus_link_does_not_hide_the_vfs_real_vdpa_device(pci: Pci, host: FakeHost,
+                                                                         aux: AuxTree) -> None:
+    add_vdpa_nic(host, aux)
+    real = aux.vdpa_dir("vdpa0")
+    (host.sys / "bus" / "vdpa" / "devices" / "aaa_gone").symlink_to(
+        os.path.relpath(real.parent / "aaa_gone", host.sys / "bus" / "vdpa" / "devices"))
+    assert set(pci.pool(entry("vhost", {"vdpaType": "vhost"})).devices) == {VFS[0], VFS[1]}
