@@ -237,7 +237,8 @@ def test_uevent_for_a_vanished_device_drops_it_and_a_garbage_path_changes_nothin
 def test_rdma_uevents_fold_each_functions_char_devices_to_what_a_scan_reads(tmp_path: Path) -> None:
     """An RDMA device and its user devices appearing on VFs, and going, as their uevents come: the
     folded facts hold exactly the char devices a full scan reads (only the function's own
-    directory is read per event), and the isRdma pool hands them out."""
+    directory is read per event, everyone's when ``rdma_cm`` came or went), and the isRdma pool
+    hands them out."""
     host = FakeHost(tmp_path)
     handler = PciHandler(HandlerContext(host.sys, host.dev, host.proc, tmp_path / "devinfo"))
     config = parse_config(json.dumps({"resourceList": [{"resourceName": "rdma", "selectors": {"isRdma": True}}]}),
@@ -264,6 +265,12 @@ def test_rdma_uevents_fold_each_functions_char_devices_to_what_a_scan_reads(tmp_
         for event in rdma_events(address, index, "add"):
             facts = handler.fold(facts, event)
     check({vfs[0]: 5, vfs[1]: 5})  # ucm, issm, umad, uverbs and rdma_cm each
+    (host.dev / "infiniband" / "rdma_cm").unlink()  # rdma_ucm unloaded: no RDMA uevent of its own
+    host.add_rdma(vfs[2], "mlx5_2", 2)  # ... which puts rdma_cm back: take it away again
+    (host.dev / "infiniband" / "rdma_cm").unlink()
+    for event in rdma_events(vfs[2], 2, "add"):
+        facts = handler.fold(facts, event)
+    check({vfs[0]: 4, vfs[1]: 4, vfs[2]: 4})  # every function's list lost it, not only the new one's
     gone = vfs[0]
     events = rdma_events(gone, 0, "remove")
     for name in ("infiniband", "infiniband_verbs", "infiniband_mad", "infiniband_cm"):
@@ -273,4 +280,4 @@ def test_rdma_uevents_fold_each_functions_char_devices_to_what_a_scan_reads(tmp_
         (host.sys / "class" / class_name / f"{prefix}0").unlink()
     for event in events:
         facts = handler.fold(facts, event)
-    check({vfs[1]: 5})
+    check({vfs[1]: 4, vfs[2]: 4})

@@ -147,6 +147,7 @@ def read_default_route_interfaces(proc_root: str) -> frozenset[str]:
     return frozenset(interfaces)
 
 
+RDMA_CM = "/dev/infiniband/rdma_cm"
 # rdmamap's order: for each class and name prefix, the first entry whose ibdev is the device.
 _RDMA_CHAR_CLASSES = (
     ("infiniband_cm", "ucm"),
@@ -177,13 +178,13 @@ def read_rdma_char_devices(sysfs_root: str, dev_root: str, below: str | None = N
                 first_by_owner[owner] = entry
         owners[(class_name, prefix)] = first_by_owner
         rdma_devices.update(first_by_owner)
-    rdma_cm = os.path.exists(join(dev_root, "infiniband", "rdma_cm"))
+    rdma_cm = os.path.exists(dev_root + RDMA_CM[len("/dev"):])
     result: dict[str, tuple[str, ...]] = {}
     for rdma_device in rdma_devices:
         paths = [f"/dev/infiniband/{owners[key][rdma_device]}" for key in _RDMA_CHAR_CLASSES
                  if rdma_device in owners[key]]
         if rdma_cm:
-            paths.append("/dev/infiniband/rdma_cm")
+            paths.append(RDMA_CM)
         result[rdma_device] = tuple(paths)
     return result
 

@@ -20,6 +20,7 @@ uevents of a function in recovery (or of its PF or VFs) are still read from sysf
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -27,7 +28,16 @@ from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
 
-from ._discovery import PCI_ADDRESS, PciFacts, copy_map, read_devices, read_rdma_char_devices, vf_positions_of
+from ._discovery import (
+    PCI_ADDRESS,
+    RDMA_CM,
+    PciDevice,
+    PciFacts,
+    copy_map,
+    read_devices,
+    read_rdma_char_devices,
+    vf_positions_of,
+)
 
 log = logging.getLogger("devplugd.pci")
 
@@ -198,21 +208,35 @@ def recovery_concerns(facts: PciFacts, event: UEvent) -> bool:
     return not facts.recovery.keys().isdisjoint({address, *_related_in(facts, address)})
 
 
-def fold_rdma(facts: PciFacts, address: str, sysfs_root: str, dev_root: str) -> PciFacts:
-    """An RDMA uevent below the function at ``address``: the character devices of its RDMA
-    devices read again from its own directory (where the kernel parents them), not the whole of
-    ``class/infiniband_*`` (32 ms with 512 RDMA devices, for each of a VF burst's RDMA uevents)."""
-    function_dir = f"{sysfs_root}/bus/pci/devices/{address}"
-    names = list_dir(f"{function_dir}/infiniband")
-    known = facts.devices.get(address)
-    fresh = read_rdma_char_devices(sysfs_root, dev_root, below=function_dir) if names else {}
-    rdma = dict(facts.rdma_char_devices)
-    for name in {*names, *(known.rdma_devices if known is not None else ())}:
-        rdma.pop(name, None)
-    rdma.update((name, fresh[name]) for name in names if name in fresh)
+def _lists_rdma_cm(rdma: Mapping[str, tuple[str, ...]]) -> bool:
+    return any(paths and paths[-1] == RDMA_CM for paths in rdma.values())
+
+
+def fold_rdma(facts: PciFacts, before: PciDevice | None, address: str, sysfs_root: str, dev_root: str) -> PciFacts:
+    """An RDMA uevent below the function at ``address`` (``facts`` already hold its new record,
+    ``before`` its old one): the character devices of its RDMA devices read again from its own
+    directory (where the kernel parents them), not the whole of ``class/infiniband_*`` (26 ms with
+    512 RDMA devices, for each of a VF burst's RDMA uevents). When ``/dev/infiniband/rdma_cm``
+    came or went since the lists were read (rdma_ucm loaded or unloaded: a misc device, no RDMA
+    uevent of its own), every function's list changes: all are read again, as a scan would."""
+    rdma_cm_now = os.path.exists(dev_root + RDMA_CM[len("/dev"):])
+    if facts.rdma_char_devices and _lists_rdma_cm(facts.rdma_char_devices) != rdma_cm_now:
+        owned = {name for device in facts.devices.values() for name in device.rdma_devices}
+        rdma = {name: paths for name, paths in read_rdma_char_devices(sysfs_root, dev_root).items() if name in owned}
+        changed = frozenset(facts.devices)
+    else:
+        device = facts.devices.get(address)
+        names = device.rdma_devices if device is not None else ()
+        below = f"{sysfs_root}/bus/pci/devices/{address}"
+        fresh = read_rdma_char_devices(sysfs_root, dev_root, below=below) if names else {}
+        rdma = dict(facts.rdma_char_devices)
+        for name in {*names, *(before.rdma_devices if before is not None else ())}:
+            rdma.pop(name, None)
+        rdma.update((name, fresh[name]) for name in names if name in fresh)
+        changed = frozenset({address})
     if rdma == facts.rdma_char_devices:
         return facts
-    return _child(facts, rdma_char_devices=MappingProxyType(rdma), changed_addresses=frozenset({address}))
+    return _child(facts, rdma_char_devices=MappingProxyType(rdma), changed_addresses=changed)
 
 
 def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, proc_root: str) -> PciFacts:
@@ -222,8 +246,7 @@ def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, 
     address = pci_address_of(event.devpath)
     if address is None:
         return facts
-    if event.subsystem in RDMA_SUBSYSTEMS:
-        facts = fold_rdma(facts, address, sysfs_root, dev_root)
+    before = facts.devices.get(address)
     state = facts.recovery.get(address)
     if state is not None and event.subsystem == "pci" and (
         event.action == "remove" or (event.action == "bind" and state == FAILED)
@@ -235,6 +258,8 @@ def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, 
     gone = [a for a in refreshed.recovery if a not in refreshed.devices] if refreshed is not facts else []
     for stale in gone:  # a function that left the facts takes its recovery state with it
         refreshed = _with_recovery(refreshed, stale, None)
+    if event.subsystem in RDMA_SUBSYSTEMS:
+        refreshed = fold_rdma(refreshed, before, address, sysfs_root, dev_root)
     return refreshed
 
 
