@@ -87,6 +87,19 @@ def test_an_rdma_device_appearing_later_brings_the_sf_into_an_rdma_pool(aux_worl
     assert info.details.info["rdma"]["rdma_dev"] == "mlx5_9" and len(info.specs) == 4
 
 
+def test_rdma_cm_going_away_is_seen_by_every_sf_at_the_next_uevent(aux_world: AuxPools) -> None:
+    """rdma_ucm unloaded: ``/dev/infiniband/rdma_cm`` goes with no uevent we follow; the next
+    uevent of any SF takes it out of every SF's RDMA devices, as a scan would."""
+    standard_tree(aux_world.tree)
+    aux_world.start()
+    (aux_world.host.dev / "infiniband" / "rdma_cm").unlink()
+    _, added = add_sf(aux_world.tree, PF_A, 40, netdev="enp3s0f0s40")
+    aux_world.fold(added)
+    assert aux_world.facts == aux_world.scanned()
+    rdma = aux_world.build(aux_world.facts, pool("p", {"isRdma": True}))["p"]
+    assert rdma and all("rdma_cm" not in info.details.info["rdma"] for info in rdma.values())
+
+
 def test_an_sf_netdev_renamed_is_read_again(aux_world: AuxPools) -> None:
     standard_tree(aux_world.tree)
     aux_world.start()

@@ -24,7 +24,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, LinkState, UEvent
-from daemon.handlers.pci import PCI_ADDRESS
+from daemon.handlers.pci import PCI_ADDRESS, RDMA_CM
 
 from ._discovery import AuxFacts, ScalableFunction, read_sf_logged, sf_in, sfs_below, with_pfs
 
@@ -73,7 +73,23 @@ def fold_function(facts: AuxFacts, event: UEvent, sysfs_root: str, dev_root: str
     return _updated(facts, sysfs_root, changes, {address}, frozenset({address}))
 
 
+def _with_rdma_cm_now(facts: AuxFacts, sysfs_root: str, dev_root: str) -> AuxFacts:
+    """Every SF with RDMA devices read again when ``/dev/infiniband/rdma_cm`` came or went since
+    their lists were read (rdma_ucm loaded or unloaded: a misc device, no uevent we follow): one
+    stat per uevent otherwise."""
+    listed = next((sf for sf in facts.sfs.values() if sf.rdma_char_devices), None)
+    if listed is None:
+        return facts
+    had = any(paths[-1:] == (RDMA_CM,) for _, paths in listed.rdma_char_devices)
+    if had == os.path.exists(dev_root + RDMA_CM[len("/dev"):]):
+        return facts
+    changes = {sf.name: read_sf_logged(sysfs_root, dev_root, sf.devpath, gone_level=logging.INFO)
+               for sf in facts.sfs.values() if sf.rdma_char_devices}
+    return _updated(facts, sysfs_root, changes, set())
+
+
 def fold_uevent(facts: AuxFacts, event: UEvent, sysfs_root: str, dev_root: str) -> AuxFacts:
+    facts = _with_rdma_cm_now(facts, sysfs_root, dev_root)
     if (found := sf_in(event.devpath)) is not None:
         return fold_sf(facts, event, sysfs_root, dev_root, *found)
     last = os.path.basename(event.devpath)

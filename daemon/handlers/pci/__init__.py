@@ -53,6 +53,7 @@ from ._allocation import (
 from ._attributes import pci_attributes
 from ._discovery import (
     PCI_ADDRESS,
+    RDMA_CM,
     PciFacts,
     pci_devpath,
     pcie_root_of,
@@ -92,8 +93,8 @@ log = logging.getLogger("devplugd.pci")
 # its RDMA answer, its _INFO encoding, link types, RDMA char devices, the shape of a PCI address
 # and a function's PCIe root.
 __all__ = [
-    "PCI_ADDRESS", "RDMA_SUBSYSTEMS", "PciHandler", "entry_problem", "go_json", "index_selected", "link_type_name",
-    "pcie_root_of", "pick_pf_entry", "rdma_specs_and_info", "read_rdma_char_devices",
+    "PCI_ADDRESS", "RDMA_CM", "RDMA_SUBSYSTEMS", "PciHandler", "entry_problem", "go_json", "index_selected",
+    "link_type_name", "pcie_root_of", "pick_pf_entry", "rdma_specs_and_info", "read_rdma_char_devices",
 ]
 
 
