@@ -103,11 +103,21 @@ def plug(device: UsbDevice) -> Reply:
     return _checked("device_add " + ",".join(properties))
 
 
+CHARDEV_RELEASE_TIMEOUT = 10.0
+
+
 def unplug(device: UsbDevice) -> Reply:
-    """``device_del`` (QEMU detaches a USB device at once and deletes its drive); then its chardev."""
+    """``device_del`` (QEMU detaches a USB device at once and deletes its drive); then its chardev,
+    which QEMU lets go only once the device object is finalized (deferred to an RCU grace period,
+    so on a loaded host ``chardev-remove`` can find it still "busy" for a while: asked again)."""
     reply = _checked(f"device_del {device.qdev_id}")
     if device.model == "usb-serial":
-        _checked(f"chardev-remove {device.qdev_id}-chr")
+        command = f"chardev-remove {device.qdev_id}-chr"
+        deadline = time.monotonic() + CHARDEV_RELEASE_TIMEOUT
+        while (text := hmp(command).text.strip()) not in ("", "OK"):
+            if "is busy" not in text or time.monotonic() > deadline:
+                raise MonitorError(f"{command!r}: {text}")
+            time.sleep(0.05)
     return reply
 
 
