@@ -97,6 +97,7 @@ def pod(request: pytest.FixtureRequest) -> Iterator[Pod]:
     node = Path(tempfile.mkdtemp(prefix="ds", dir="/tmp"))
     kubelet = FakeKubelet(node / "var/lib/kubelet/device-plugins", node / "var/lib/kubelet/plugins_registry")
     kubelet.start()
+    (node / "var/lib/kubelet/plugins").mkdir(parents=True)  # the kubelet makes it at start too
     config_map = ConfigMapVolume(node / "configmaps" / "devplugd-config", {"config.json": json.dumps(CONFIG)})
     name = f"devplugd-test-{secrets.token_hex(4)}"
     command = pod_command(spec, name=name, node_root=node, config_map=config_map, field_values=FIELD_VALUES)

@@ -10,8 +10,8 @@ know fails the translation (``UnknownField``): a new field in the manifest must 
 or the test would silently run something the DaemonSet does not.
 
 Fields that only the API server or the scheduler act on (service account, priority class,
-tolerations, DNS policy, update strategy, ports and requests) have no podman counterpart and are
-listed as such.
+tolerations, DNS policy, ports and requests) have no podman counterpart and are listed as such;
+so are the probe's timings (the test calls the probe itself, once).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "args", "env", "ports", 
 SECURITY_FIELDS = {"runAsUser", "runAsGroup", "privileged", "allowPrivilegeEscalation", "readOnlyRootFilesystem",
                    "capabilities", "seccompProfile"}
 MEMORY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+PROBE_TIMINGS = {"initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failureThreshold", "successThreshold"}
 
 
 class UnknownField(AssertionError):
@@ -121,12 +122,16 @@ def pod_command(spec: dict[str, Any], *, name: str, node_root: Path, config_map:
             (source,) = variable["valueFrom"].items()
             if source[0] != "fieldRef":
                 raise UnknownField(f"env {variable['name']}: valueFrom.{source[0]}")
+            _only(source[1], {"fieldPath"}, f"env {variable['name']}: fieldRef")
             env[variable["name"]] = field_values[source[1]["fieldPath"]]
     for key, value in env.items():
         argv += ["--env", f"{key}={value}"]
 
     argv += _security(container.get("securityContext", {}))
-    if limit := container.get("resources", {}).get("limits", {}).get("memory"):
+    resources = container.get("resources", {})
+    _only(resources, {"requests", "limits"}, "resources")
+    _only(resources.get("limits", {}), {"memory"}, "resources.limits")
+    if limit := resources.get("limits", {}).get("memory"):
         argv += ["--memory", str(_bytes(limit))]
     argv += _volumes(spec["volumes"], container["volumeMounts"], node_root, config_map)
 
@@ -135,7 +140,10 @@ def pod_command(spec: dict[str, Any], *, name: str, node_root: Path, config_map:
                       lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), argument)
 
     argv += [container["image"], *(expand(argument) for argument in container.get("args", []))]
+    for port in container.get("ports", []):
+        _only(port, {"name", "containerPort", "protocol"}, f"port {port.get('name')}")
     ports = {port["name"]: port["containerPort"] for port in container.get("ports", [])}
+    _only(container["livenessProbe"], {"httpGet", *PROBE_TIMINGS}, "livenessProbe")
     probe = container["livenessProbe"]["httpGet"]
     _only(probe, {"path", "port"}, "livenessProbe.httpGet")
     port = ports.get(probe["port"], probe["port"])
@@ -165,7 +173,9 @@ def _volumes(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]], node_r
     sources: dict[str, str] = {}
     argv: list[str] = []
     for volume in volumes:
+        _only(volume, {"name", "hostPath", "configMap", "emptyDir"}, f"volume {volume['name']}")
         if "hostPath" in volume:
+            _only(volume["hostPath"], {"path", "type"}, f"volume {volume['name']}: hostPath")
             path, kind = volume["hostPath"]["path"], volume["hostPath"].get("type", "")
             if path in HOST_PATHS and os.path.exists(path):
                 sources[volume["name"]] = path
@@ -177,9 +187,16 @@ def _volumes(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]], node_r
                 raise AssertionError(f"hostPath {path} ({kind}): missing on the node")
             sources[volume["name"]] = str(on_node)
         elif "configMap" in volume:
+            _only(volume["configMap"], {"name"}, f"volume {volume['name']}: configMap")  # items would rename keys
             sources[volume["name"]] = str(config_map.directory)
         elif "emptyDir" in volume:
-            sources[volume["name"]] = ""  # a tmpfs, below
+            _only(volume["emptyDir"], {"medium", "sizeLimit"}, f"volume {volume['name']}: emptyDir")
+            if volume["emptyDir"].get("medium") == "Memory":
+                sources[volume["name"]] = ""  # a tmpfs, below
+            else:  # a directory on the node's disk
+                on_disk = node_root / "emptydir" / volume["name"]
+                on_disk.mkdir(parents=True, exist_ok=True)
+                sources[volume["name"]] = str(on_disk)
         else:
             raise UnknownField(f"volume {volume['name']}: {sorted(volume)}")
     by_name = {volume["name"]: volume for volume in volumes}
