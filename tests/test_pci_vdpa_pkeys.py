@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from daemon.core import ConfigFileError, DeviceSpec, HandlerContext, UEvent
+from daemon.core import ConfigFileError, DeviceSpec, HandlerContext, LinkChanged, LinkState, UEvent
 from daemon.handlers.pci import PciHandler
 from tests.auxsysfs import VHOST_VDPA, VIRTIO_VDPA, AuxTree
 from tests.fakesysfs import FakeHost
@@ -219,3 +219,20 @@ def test_a_dangling_vdpa_bus_link_does_not_hide_the_vfs_real_vdpa_device(pci: Pc
     (host.sys / "bus" / "vdpa" / "devices" / "aaa_gone").symlink_to(
         os.path.relpath(real.parent / "aaa_gone", host.sys / "bus" / "vdpa" / "devices"))
     assert set(pci.pool(entry("vhost", {"vdpaType": "vhost"})).devices) == {VFS[0], VFS[1]}
+
+
+def test_a_pkey_the_subnet_manager_sets_later_is_read_when_the_ipoib_link_comes_up(
+        pci: Pci, host: FakeHost, aux: AuxTree) -> None:
+    """No uevent says the port's table changed: the IPoIB carrier coming up does."""
+    add_ib_nic(host, aux, [0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF])
+    handler = pci.handler
+    configured = pci.configure(entry("limited", {"pKeys": ["0x7fff"]}))
+    facts = handler.scan()
+    assert set(handler.build(facts, configured)["intel.com/limited"]) == set()
+    (host.device_dir(IB_VFS[1]) / "infiniband/mlx5_3/ports/1/pkeys/0").write_text("0x7fff\n")
+    facts = handler.fold(facts, LinkChanged("ib0v1", LinkState(7, admin_up=True, lower_up=False)))
+    assert set(handler.build(facts, configured)["intel.com/limited"]) == set()  # no carrier: not read yet
+    facts = handler.fold(facts, LinkChanged("ib0v1", LinkState(7, admin_up=True, lower_up=True)))
+    assert set(handler.build(facts, configured)["intel.com/limited"]) == {IB_VFS[1]}
+    fresh = PciHandler(HandlerContext(host.sys, host.dev, host.proc, pci.devinfo_dir))
+    assert dict(fresh.scan().devices) == dict(facts.devices)

@@ -138,7 +138,7 @@ class PciHandler:
         if isinstance(event, UEvent):
             return fold_uevent(facts, event, self._sysfs_root, self._dev_root, self._proc_root)
         if isinstance(event, (LinkChanged, LinkSnapshot)):
-            return fold_links(facts, event)
+            return fold_links(facts, event, self._sysfs_root)
         return facts
 
     # The event loop's hints (see daemon.core.Handler): PCIe error recovery.

@@ -34,6 +34,7 @@ from ._discovery import (
     PciDevice,
     PciFacts,
     copy_map,
+    read_default_pkey,
     read_devices,
     read_rdma_char_devices,
     vf_positions_of,
@@ -263,7 +264,38 @@ def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, 
     return refreshed
 
 
-def fold_links(facts: PciFacts, event: LinkChanged | LinkSnapshot) -> PciFacts:
+def with_pkeys_read_again(facts: PciFacts, ifnames: Iterable[str], sysfs_root: str) -> PciFacts:
+    """The default partition key of the InfiniBand functions whose netdevs are ``ifnames`` read
+    again: the subnet manager programs a port's table after the function is probed, with no
+    uevent, and the IPoIB link coming up is the sign that it has."""
+    wanted = set(ifnames)
+    changed: dict[str, PciDevice] = {}
+    for device in facts.devices.values():
+        if device.link_type != "infiniband" or not device.rdma_devices or wanted.isdisjoint(device.netdevs):
+            continue
+        pkey = read_default_pkey(f"{sysfs_root}/bus/pci/devices/{device.address}/infiniband/{device.rdma_devices[0]}")
+        if pkey != device.pkey:
+            changed[device.address] = replace(device, pkey=pkey)
+    if not changed:
+        return facts
+    devices = copy_map(facts.devices)
+    devices.update(changed)
+    return _child(facts, devices=MappingProxyType(devices), changed_addresses=frozenset(changed))
+
+
+def fold_links(facts: PciFacts, event: LinkChanged | LinkSnapshot, sysfs_root: str | None = None) -> PciFacts:
+    """Link states replaced; with ``sysfs_root``, the partition keys of the InfiniBand functions
+    whose links came up (or changed in a snapshot) read again too."""
+    folded = _fold_link_states(facts, event)
+    if sysfs_root is None or folded is facts:
+        return folded
+    if isinstance(event, LinkChanged) and (event.state is None or not event.state.lower_up):
+        return folded  # only a carrier coming up says the subnet manager may have set the keys
+    ifnames = [event.ifname] if isinstance(event, LinkChanged) else list(folded.lineage[-1][2])
+    return with_pkeys_read_again(folded, ifnames, sysfs_root)
+
+
+def _fold_link_states(facts: PciFacts, event: LinkChanged | LinkSnapshot) -> PciFacts:
     if isinstance(event, LinkSnapshot):
         links: Mapping[str, object] = event.links
         changed = {name for name in facts.links.keys() | links.keys() if facts.links.get(name) != links.get(name)}
