@@ -52,7 +52,7 @@ from daemon.deviceplugin import Endpoints
 from daemon.dra import DraDriver
 from daemon.host import HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
-from daemon.metrics import Metrics, MetricsServer
+from daemon.metrics import Metrics, MetricsServer, without_created_series
 from daemon.nfd import NfdFeatures
 from daemon.service import ServiceManager, StatusReporter
 from daemon.settings import Settings, dra_names_problem
@@ -114,6 +114,7 @@ def run(settings: Settings) -> int:
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)
     log.info("config %s: %d pools", config.source, len(config.pools))
+    without_created_series()
     metrics = Metrics(settings.device_plugin_dir, standard=True)
     try:
         metrics_server = _serve_metrics(settings, metrics)

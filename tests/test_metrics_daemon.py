@@ -279,3 +279,13 @@ def test_healthz_answers_ok_beside_metrics_on_the_same_port(run_daemon, seam):
         assert (response.status, response.read()) == (200, b"ok\n")
     assert "devplugd_kernel_events_total" in scrape(url)
     assert daemon.stop() == 0
+
+
+def test_a_scrape_has_no_created_series(run_daemon, seam):
+    """prometheus_client's ``*_created`` (one more series per counter and histogram child, a
+    timestamp nobody graphs) is turned off in the daemon."""
+    daemon, url = start(run_daemon, seam)
+    text = scrape(url)
+    assert "devplugd_kernel_events_total" in text and "devplugd_event_to_listandwatch_seconds" in text
+    assert "_created" not in text
+    assert daemon.stop() == 0

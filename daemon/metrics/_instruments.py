@@ -10,6 +10,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    disable_created_metrics,
 )
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -26,6 +27,13 @@ BUILD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 
 # the values of the labels with a fixed set (nothing event-specific: bounded by pools and handlers)
 CHANGED, UNCHANGED, FAILED, IGNORED = "changed", "unchanged", "failed", "ignored"
+
+
+def without_created_series() -> None:
+    """No ``*_created`` series beside counters and histograms from now on, in this process
+    (prometheus_client's switch is process-wide: the daemon's entry calls it, in-process tests
+    that build Metrics keep the series)."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class Metrics:
