@@ -36,9 +36,8 @@ from daemon.core import (
     ResourcePool,
     Resync,
     UEvent,
-    device_list_env_name,
 )
-from daemon.handlers.pci import RDMA_SUBSYSTEMS, go_json
+from daemon.handlers.pci import PCIE_ROOT, RDMA_SUBSYSTEMS, allocation_envs
 
 from ._discovery import AuxFacts, scan_aux
 from ._folding import fold_links, fold_uevent
@@ -51,8 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("devplugd.auxnet")
 
 AUX_NET_DEVICE = "auxNetDevice"
-ENV_FAMILY = "PCIDEVICE"
-PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 
 __all__ = ["AUX_NET_DEVICE", "AuxDetails", "AuxFacts", "AuxNetHandler", "AuxPoolSpec"]
 
@@ -93,10 +90,8 @@ class AuxNetHandler:
         self, pool: ResourcePool, device_ids: Sequence[str], allocation: ContainerAllocation
     ) -> ContainerAllocation:
         entry: PoolEntry = pool.pool_config.entry
-        key = device_list_env_name(ENV_FAMILY, entry.resource_prefix, entry.resource_name)
         details: dict[str, AuxDetails] = {device_id: pool.devices[device_id].details for device_id in device_ids}
-        allocation.envs[key] = ",".join(device_ids)
-        allocation.envs[f"{key}_INFO"] = go_json({device_id: record.info for device_id, record in details.items()})
+        allocation.envs.update(allocation_envs(entry.resource_prefix, entry.resource_name, device_ids, details))
         return allocation
 
     # DeviceDescriber: what a DRA ResourceSlice says of an SF, from its record alone.

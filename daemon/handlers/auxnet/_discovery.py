@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from daemon.core import LinkState, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from daemon.handlers.pci import PCI_ADDRESS, link_type_name, pcie_root_of, read_rdma_char_devices
+from daemon.handlers.pci import PCI_ADDRESS, netdev_link_type, pcie_root_of, read_rdma_char_devices
 
 log = logging.getLogger("devplugd.auxnet")
 
@@ -115,11 +115,6 @@ def sf_in(devpath: str) -> tuple[str, str] | None:
     return None
 
 
-def _netdev_link_type(net_dir: str) -> str:
-    arphrd = read_int(f"{net_dir}/type")
-    return "" if arphrd is None else link_type_name(arphrd)
-
-
 def read_sf(sysfs_root: str, dev_root: str, devpath: str) -> ScalableFunction | None:
     """The SF at ``devpath``; ``None`` when its directory is gone (before or while it was read)."""
     directory = sysfs_root + devpath
@@ -139,7 +134,7 @@ def read_sf(sysfs_root: str, dev_root: str, devpath: str) -> ScalableFunction | 
         sfnum=sfnum,
         driver=link_name(f"{directory}/driver"),
         netdevs=netdevs,
-        netdev_link_type=_netdev_link_type(f"{directory}/net/{netdevs[0]}") if netdevs else "",
+        netdev_link_type=netdev_link_type(f"{directory}/net/{netdevs[0]}") if netdevs else "",
         rdma_devices=rdma_devices,
         rdma_char_devices=tuple((rdma, char_devices[rdma]) for rdma in rdma_devices if rdma in char_devices),
     )
@@ -161,10 +156,10 @@ def pf_name(device_dir: str) -> tuple[str | None, str]:
         net_dir = f"{device_dir}/net/{netdev}"
         port_name = _readable(f"{net_dir}/phys_port_name")
         if port_name and UPLINK_PORT_NAME.fullmatch(port_name) and _readable(f"{net_dir}/phys_switch_id"):
-            return netdev, _netdev_link_type(net_dir)
+            return netdev, netdev_link_type(net_dir)
     if not netdevs:
         return None, ""
-    return netdevs[0], _netdev_link_type(f"{device_dir}/net/{netdevs[0]}")
+    return netdevs[0], netdev_link_type(f"{device_dir}/net/{netdevs[0]}")
 
 
 def _numa_node(device_dir: str) -> int | None:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, LinkState, UEvent
-from daemon.handlers.pci import PCI_ADDRESS, RDMA_CM
+from daemon.handlers.pci import PCI_ADDRESS, lists_rdma_cm, rdma_cm_present
 
 from ._discovery import AuxFacts, ScalableFunction, read_sf_logged, sf_in, sfs_below, with_pfs
 
@@ -80,8 +80,7 @@ def _with_rdma_cm_now(facts: AuxFacts, sysfs_root: str, dev_root: str) -> AuxFac
     listed = next((sf for sf in facts.sfs.values() if sf.rdma_char_devices), None)
     if listed is None:
         return facts
-    had = any(paths[-1:] == (RDMA_CM,) for _, paths in listed.rdma_char_devices)
-    if had == os.path.exists(dev_root + RDMA_CM[len("/dev"):]):
+    if lists_rdma_cm(paths for _, paths in listed.rdma_char_devices) == rdma_cm_present(dev_root):
         return facts
     changes = {sf.name: read_sf_logged(sysfs_root, dev_root, sf.devpath, gone_level=logging.INFO)
                for sf in facts.sfs.values() if sf.rdma_char_devices}

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec
-from daemon.handlers.pci import rdma_specs_and_info
+from daemon.handlers.pci import extra_info, rdma_specs_and_info
 
 from ._discovery import AuxFacts, ParentPf, ScalableFunction
 from ._selectors import AuxSelector
@@ -49,10 +49,7 @@ def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, fa
     specs: list[DeviceSpec] = []
     info: dict[str, dict[str, str]] = {"generic": {"deviceID": sf.name}}
     if additional_info is not None:
-        extra: dict[str, str] = {}
-        for key in ("*", pf.address):
-            extra.update(additional_info.get(key, {}))
-        info["extra"] = extra
+        info["extra"] = extra_info(additional_info, pf.address)  # upstream keys SFs by their PF
     if selector.is_rdma and sf.rdma_devices:
         rdma_specs, info["rdma"] = rdma_specs_and_info(sf.rdma_devices, dict(sf.rdma_char_devices))
         specs.extend(rdma_specs)

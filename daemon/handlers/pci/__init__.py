@@ -41,8 +41,8 @@ from ._allocation import (
     PciDetails,
     allocation_envs,
     devinfo_file_name,
+    extra_info,
     first_per_host_path,
-    go_json,
     kubevirt_env_name,
     rdma_specs_and_info,
     remove_devinfo_files,
@@ -50,20 +50,21 @@ from ._allocation import (
     with_vfio_binding,
     write_devinfo_file,
 )
-from ._attributes import pci_attributes
+from ._attributes import PCIE_ROOT, pci_attributes
 from ._discovery import (
     PCI_ADDRESS,
-    RDMA_CM,
     PciFacts,
+    lists_rdma_cm,
+    netdev_link_type,
     pci_devpath,
     pcie_root_of,
+    rdma_cm_present,
     read_rdma_char_devices,
     read_vfio_binding,
     scan_pci,
 )
 from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._groups import is_bridge_class
-from ._linktypes import link_type_name
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
 from ._selectors import (
@@ -90,11 +91,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("devplugd.pci")
 
 # What the auxNetDevice handler shares with this one: the SR-IOV plugin's PF/index selectors,
-# its RDMA answer, its _INFO encoding, link types, RDMA char devices, the shape of a PCI address
-# and a function's PCIe root.
+# its RDMA answer, its envs and _INFO (with additionalInfo's extra), netdev link types, RDMA char
+# devices and rdma_cm, the shape of a PCI address, a function's PCIe root and its DRA attribute.
 __all__ = [
-    "PCI_ADDRESS", "RDMA_CM", "RDMA_SUBSYSTEMS", "PciHandler", "entry_problem", "go_json", "index_selected",
-    "link_type_name", "pcie_root_of", "pick_pf_entry", "rdma_specs_and_info", "read_rdma_char_devices",
+    "PCIE_ROOT", "PCI_ADDRESS", "RDMA_SUBSYSTEMS", "PciHandler", "allocation_envs", "entry_problem", "extra_info",
+    "index_selected", "lists_rdma_cm", "netdev_link_type", "pcie_root_of", "pick_pf_entry", "rdma_cm_present",
+    "rdma_specs_and_info", "read_rdma_char_devices",
 ]
 
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from daemon.core import DeviceSpec, device_list_env_name
 
@@ -107,6 +107,14 @@ VHOST_NET_SPECS = (DeviceSpec(VHOST_NET, VHOST_NET), DeviceSpec(NET_TUN, NET_TUN
 VHOST_NET_INFO: Mapping[str, str] = MappingProxyType({"net-mount": VHOST_NET, "tun-mount": NET_TUN})
 
 
+def extra_info(additional_info: Mapping[str, Mapping[str, str]], key: str) -> dict[str, str]:
+    """The ``extra`` provider of ``_INFO``: ``additionalInfo``'s ``"*"``, then ``key``'s over it."""
+    extra: dict[str, str] = {}
+    for each in ("*", key):
+        extra.update(additional_info.get(each, {}))
+    return extra
+
+
 def rdma_specs_and_info(
     rdma_devices: Sequence[str], rdma_char_devices: Mapping[str, tuple[str, ...]]
 ) -> tuple[list[DeviceSpec], dict[str, str]]:
@@ -152,10 +160,7 @@ def device_specs_and_info(
             specs.append(DeviceSpec(uio_path, uio_path))
             info["uio"]["mount"] = uio_path
     if additional_info is not None:
-        extra: dict[str, str] = {}
-        for key in ("*", device.address):
-            extra.update(additional_info.get(key, {}))
-        info["extra"] = extra
+        info["extra"] = extra_info(additional_info, device.address)
     rdma_device = None
     if is_rdma and device.rdma_devices:
         rdma_specs, info["rdma"] = rdma_specs_and_info(device.rdma_devices, rdma_char_devices)
@@ -202,9 +207,17 @@ def kubevirt_env_name(resource: str) -> str:
     return "PCI_RESOURCE_" + resource.upper().replace("/", "_").replace(".", "_")
 
 
+class HasInfo(Protocol):
+    """A device record carrying its ``_INFO`` entry (PciDetails, an SF's record)."""
+
+    @property
+    def info(self) -> Mapping[str, Mapping[str, str]]: ...
+
+
 def allocation_envs(
-    prefix: str, resource_name: str, device_ids: Sequence[str], details: Mapping[str, PciDetails]
+    prefix: str, resource_name: str, device_ids: Sequence[str], details: Mapping[str, HasInfo]
 ) -> dict[str, str]:
+    """``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs in request order) and its ``_INFO``."""
     key = env_name(prefix, resource_name)
     return {
         key: ",".join(device_ids),

@@ -148,6 +148,16 @@ def read_default_route_interfaces(proc_root: str) -> frozenset[str]:
 
 
 RDMA_CM = "/dev/infiniband/rdma_cm"
+
+
+def rdma_cm_present(dev_root: str) -> bool:
+    """Whether ``/dev/infiniband/rdma_cm`` (rdma_ucm's node, every RDMA device's last) is there."""
+    return os.path.exists(dev_root + RDMA_CM[len("/dev"):])
+
+
+def lists_rdma_cm(char_devices: Iterable[tuple[str, ...]]) -> bool:
+    """Whether these RDMA devices' character device lists were read with ``rdma_cm`` there."""
+    return any(paths[-1:] == (RDMA_CM,) for paths in char_devices)
 # rdmamap's order: for each class and name prefix, the first entry whose ibdev is the device.
 _RDMA_CHAR_CLASSES = (
     ("infiniband_cm", "ucm"),
@@ -178,7 +188,7 @@ def read_rdma_char_devices(sysfs_root: str, dev_root: str, below: str | None = N
                 first_by_owner[owner] = entry
         owners[(class_name, prefix)] = first_by_owner
         rdma_devices.update(first_by_owner)
-    rdma_cm = os.path.exists(dev_root + RDMA_CM[len("/dev"):])
+    rdma_cm = rdma_cm_present(dev_root)
     result: dict[str, tuple[str, ...]] = {}
     for rdma_device in rdma_devices:
         paths = [f"/dev/infiniband/{owners[key][rdma_device]}" for key in _RDMA_CHAR_CLASSES
@@ -189,8 +199,10 @@ def read_rdma_char_devices(sysfs_root: str, dev_root: str, below: str | None = N
     return result
 
 
-def _netdev_link_type(device_dir: str, netdev: str) -> str:
-    arphrd = read_int(join(device_dir, "net", netdev, "type"))
+def netdev_link_type(net_dir: str) -> str:
+    """The link type name (``ether``, ``infiniband``, ...) of the netdev at ``net_dir``, from its
+    ARPHRD ``type``; ``""`` when it has none."""
+    arphrd = read_int(join(net_dir, "type"))
     return "" if arphrd is None else link_type_name(arphrd)
 
 
@@ -216,7 +228,7 @@ class _PfNetdevCache:
         if known is None:
             names = list_dir(join(pf_dir, "net"))
             netdev = names[0] if names else None
-            known = (netdev, _netdev_link_type(pf_dir, netdev) if netdev else "")
+            known = (netdev, netdev_link_type(f"{pf_dir}/net/{netdev}") if netdev else "")
             self._known[pf_address] = known
         return known
 
@@ -265,11 +277,10 @@ def read_device(
         if pf_address is not None:
             pf_netdev, pf_link_type = pf_netdevs.get(pf_address, pf_dir)
     netdevs = tuple(list_dir(f"{device_dir}/net")) if "net" in entries else ()
-    link_type = _netdev_link_type(device_dir, netdevs[0]) if netdevs else pf_link_type
+    link_type = netdev_link_type(f"{device_dir}/net/{netdevs[0]}") if netdevs else pf_link_type
 
     rdma_devices = tuple(list_dir(f"{device_dir}/infiniband")) if "infiniband" in entries else ()
-    pkey = read_default_pkey(f"{device_dir}/infiniband/{rdma_devices[0]}") \
-        if rdma_devices and link_type == "infiniband" else None
+    pkey = function_pkey(device_dir, link_type, rdma_devices)
 
     iommu_group: str | None = None
     noiommu = False
@@ -327,6 +338,13 @@ def read_vdpa_devices(sysfs_root: str, addresses: Iterable[str]) -> dict[str, Vd
                        .isdigit() and os.path.exists(f"{entry}/{n}/dev"))
         found[parent] = VdpaDevice(name=name, driver=link_name(f"{entry}/driver"), vhost_node=next(iter(vhost), None))
     return found
+
+
+def function_pkey(device_dir: str, link_type: str, rdma_devices: tuple[str, ...]) -> int | None:
+    """A function's default partition key: of its first RDMA device, for an InfiniBand link only."""
+    if link_type != "infiniband" or not rdma_devices:
+        return None
+    return read_default_pkey(f"{device_dir}/infiniband/{rdma_devices[0]}")
 
 
 def read_default_pkey(rdma_dir: str) -> int | None:
@@ -467,7 +485,12 @@ def scan_pci(sysfs_root: PathLike, dev_root: PathLike, proc_root: PathLike) -> P
     addresses = list_dir(join(sysfs, "bus", "pci", "devices"))
     read = read_devices(sysfs, proc, addresses)
     devices = {address: device for address, device in read.items() if device is not None}
-    owned = {name for device in devices.values() for name in device.rdma_devices}
-    # only the functions' own RDMA devices (not an SF's below them): what a fold keeps up to date
-    rdma = {name: paths for name, paths in read_rdma_char_devices(sysfs, dev).items() if name in owned}
+    rdma = owned_rdma_char_devices(sysfs, dev, devices.values())
     return PciFacts(devices=MappingProxyType(devices), rdma_char_devices=MappingProxyType(rdma))
+
+
+def owned_rdma_char_devices(sysfs_root: str, dev_root: str, devices: Iterable[PciDevice]) -> dict[str, tuple[str, ...]]:
+    """The character devices of the functions' own RDMA devices (not an SF's below them: what a
+    fold keeps up to date), from all of ``class/infiniband_*``."""
+    owned = {name for device in devices for name in device.rdma_devices}
+    return {name: paths for name, paths in read_rdma_char_devices(sysfs_root, dev_root).items() if name in owned}

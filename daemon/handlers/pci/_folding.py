@@ -20,7 +20,6 @@ uevents of a function in recovery (or of its PF or VFs) are still read from sysf
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -30,11 +29,13 @@ from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
 
 from ._discovery import (
     PCI_ADDRESS,
-    RDMA_CM,
     PciDevice,
     PciFacts,
     copy_map,
-    read_default_pkey,
+    function_pkey,
+    lists_rdma_cm,
+    owned_rdma_char_devices,
+    rdma_cm_present,
     read_devices,
     read_rdma_char_devices,
     vf_positions_of,
@@ -209,10 +210,6 @@ def recovery_concerns(facts: PciFacts, event: UEvent) -> bool:
     return not facts.recovery.keys().isdisjoint({address, *_related_in(facts, address)})
 
 
-def _lists_rdma_cm(rdma: Mapping[str, tuple[str, ...]]) -> bool:
-    return any(paths and paths[-1] == RDMA_CM for paths in rdma.values())
-
-
 def fold_rdma(facts: PciFacts, before: PciDevice | None, address: str, sysfs_root: str, dev_root: str) -> PciFacts:
     """An RDMA uevent below the function at ``address`` (``facts`` already hold its new record,
     ``before`` its old one): the character devices of its RDMA devices read again from its own
@@ -220,10 +217,8 @@ def fold_rdma(facts: PciFacts, before: PciDevice | None, address: str, sysfs_roo
     512 RDMA devices, for each of a VF burst's RDMA uevents). When ``/dev/infiniband/rdma_cm``
     came or went since the lists were read (rdma_ucm loaded or unloaded: a misc device, no RDMA
     uevent of its own), every function's list changes: all are read again, as a scan would."""
-    rdma_cm_now = os.path.exists(dev_root + RDMA_CM[len("/dev"):])
-    if facts.rdma_char_devices and _lists_rdma_cm(facts.rdma_char_devices) != rdma_cm_now:
-        owned = {name for device in facts.devices.values() for name in device.rdma_devices}
-        rdma = {name: paths for name, paths in read_rdma_char_devices(sysfs_root, dev_root).items() if name in owned}
+    if facts.rdma_char_devices and lists_rdma_cm(facts.rdma_char_devices.values()) != rdma_cm_present(dev_root):
+        rdma = owned_rdma_char_devices(sysfs_root, dev_root, facts.devices.values())
         changed = frozenset(facts.devices)
     else:
         device = facts.devices.get(address)
@@ -273,7 +268,7 @@ def with_pkeys_read_again(facts: PciFacts, ifnames: Iterable[str], sysfs_root: s
     for device in facts.devices.values():
         if device.link_type != "infiniband" or not device.rdma_devices or wanted.isdisjoint(device.netdevs):
             continue
-        pkey = read_default_pkey(f"{sysfs_root}/bus/pci/devices/{device.address}/infiniband/{device.rdma_devices[0]}")
+        pkey = function_pkey(f"{sysfs_root}/bus/pci/devices/{device.address}", device.link_type, device.rdma_devices)
         if pkey != device.pkey:
             changed[device.address] = replace(device, pkey=pkey)
     if not changed:
