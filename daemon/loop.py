@@ -79,6 +79,7 @@ from daemon.core import (
     ConfigFileError,
     ConfiguredPool,
     DaemonConfig,
+    DeviceChanged,
     DeviceInfo,
     DeviceMap,
     DeviceTree,
@@ -230,6 +231,9 @@ class EventLoop:
                 outcomes = [await self._fold(name, event) for name, handler in self._handlers.items()
                             if not handler.subsystems or event.subsystem in handler.subsystems]
                 changed |= self._count_kernel_event("uevent", outcomes)
+            elif isinstance(event, DeviceChanged):
+                if event.handler in self._handlers:
+                    changed |= await self._fold(event.handler, event) == CHANGED
             elif isinstance(event, (LinkChanged, LinkSnapshot)):
                 outcomes = [await self._fold(name, event) for name, handler in self._handlers.items()
                             if getattr(handler, "wants_links", False)]

@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 
 from daemon.cdi import with_cdi_names
-from daemon.core import AllocationError, DeviceSpec, HandlerContext, Hooks, HostChanges, UEvent, allocate_container
+from daemon.core import (
+    AllocationError,
+    DeviceChanged,
+    DeviceSpec,
+    HandlerContext,
+    Hooks,
+    HostChanges,
+    UEvent,
+    allocate_container,
+)
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci, add_nvme_pf, nvme_vfs
@@ -186,7 +195,8 @@ def test_a_group_change_is_reported_for_a_re_read_and_kept_out_of_cdi(host: Fake
     host.set_iommu_group(NVME_VFS[1], 32)
     allocation = with_cdi_names(allocate_container(Hooks.of(pci.handler), pool, NVME_VFS[:2]), pool, NVME_VFS[:2])
     assert allocation.cdi_devices == [f"intel.com/nvme={NVME_VFS[0]}"]  # the CDI spec still says group 11
-    assert [(event.action, event.devpath) for event in reports] == [("change", host.devpath(NVME_VFS[1]))]
+    assert [(type(event), event.handler, event.devpath) for event in reports] == [
+        (DeviceChanged, "pci", host.devpath(NVME_VFS[1]))]
     facts = pci.handler.fold(pci.handler.scan(), reports[0])
     built = pci.handler.build(facts, [pool.pool_config])["intel.com/nvme"]
     assert built[NVME_VFS[1]].specs[1] == DeviceSpec("/dev/vfio/32", "/dev/vfio/32")

@@ -56,6 +56,19 @@ class UEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class DeviceChanged:
+    """A handler found one of its devices differ from its facts outside ``fold`` (at Allocate,
+    say: a vfio function's IOMMU group changed with no uevent). The event loop folds it into that
+    handler's facts only, which read the device at ``devpath`` (relative to the sysfs root) again,
+    so the tree (ListAndWatch, CDI, the host API) catches up."""
+
+    handler: str
+    devpath: str
+    subsystem: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class LinkState:
     """What rtnetlink says about one network interface."""
 
@@ -115,6 +128,6 @@ class CheckpointChanged:
 
 
 Event = (
-    Resync | KubeletSocketCreated | PluginSocketRemoved | UEvent | LinkChanged | LinkSnapshot | ConfigChanged
-    | LeasesChanged | ClaimsChanged | CheckpointChanged
+    Resync | KubeletSocketCreated | PluginSocketRemoved | UEvent | DeviceChanged | LinkChanged | LinkSnapshot
+    | ConfigChanged | LeasesChanged | ClaimsChanged | CheckpointChanged
 )

@@ -25,12 +25,11 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from ._allocation import AllocationError, ContainerAllocation, HandlerFailed, UseDefault, default_allocation
 from ._config import ConfiguredPool, PoolEntry
-from ._events import Event, UEvent
+from ._events import DeviceChanged, Event
 from ._tree import DeviceInfo, ResourcePool
 
 log = logging.getLogger("devplugd.handlers")
@@ -38,9 +37,9 @@ log = logging.getLogger("devplugd.handlers")
 
 class HostChanges:
     """How a handler says it saw the host differ from its facts outside ``fold`` (at Allocate,
-    say): the event loop then folds a ``change`` uevent for that device, as if the kernel had
-    sent one, so the tree (ListAndWatch, CDI, host API) catches up. Connected to the bus once the
-    daemon serves; until then (and in unit tests) reports are dropped."""
+    say): a ``DeviceChanged`` event goes to the bus, and the event loop folds it into that
+    handler's facts alone, so the tree (ListAndWatch, CDI, host API) catches up. Connected to the
+    bus once the daemon serves; until then (and in unit tests) reports are dropped."""
 
     def __init__(self) -> None:
         self._send: Callable[[Event], None] | None = None
@@ -48,9 +47,11 @@ class HostChanges:
     def connect(self, send: Callable[[Event], None]) -> None:
         self._send = send
 
-    def device_changed(self, devpath: str, subsystem: str) -> None:
+    def device_changed(self, handler: str, devpath: str, subsystem: str, reason: str) -> None:
+        """``handler``'s device at ``devpath`` (relative to the sysfs root) is not what its facts
+        say, for ``reason``: read it again."""
         if self._send is not None:
-            self._send(UEvent("change", devpath, subsystem, None, MappingProxyType({"DEVPLUGD_RECHECK": "1"})))
+            self._send(DeviceChanged(handler, devpath, subsystem, reason))
 
 
 @dataclass(frozen=True)

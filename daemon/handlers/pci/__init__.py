@@ -22,6 +22,7 @@ from daemon.core import (
     ConfigError,
     ConfiguredPool,
     ContainerAllocation,
+    DeviceChanged,
     DeviceMap,
     Event,
     HandlerContext,
@@ -137,6 +138,8 @@ class PciHandler:
             scanned = self.scan()
             recovery = {a: state for a, state in facts.recovery.items() if a in scanned.devices}
             return replace(scanned, links=facts.links, recovery=MappingProxyType(recovery))
+        if isinstance(event, DeviceChanged):  # found changed at Allocate: read it as a kernel change says
+            event = UEvent("change", event.devpath, event.subsystem)
         if isinstance(event, UEvent):
             return fold_uevent(facts, event, self._sysfs_root, self._dev_root, self._proc_root)
         if isinstance(event, (LinkChanged, LinkSnapshot)):
@@ -218,7 +221,8 @@ class PciHandler:
         log.warning("%s: IOMMU group changed from %s to %s since it was last read; handing out the new one",
                     address, details.device.iommu_group, binding.iommu_group,
                     extra={"PCI_ADDR": address, "RESOURCE": resource})
-        self._context.host_changes.device_changed(pci_devpath(self._sysfs_root, address), "pci")
+        self._context.host_changes.device_changed(self.name, pci_devpath(self._sysfs_root, address), "pci",
+                                                  f"IOMMU group changed to {binding.iommu_group}")
         return with_vfio_binding(details, binding)
 
     def _check_group_whole(self, record: PciDetails, functions: Mapping[str, PciDetails]) -> None:

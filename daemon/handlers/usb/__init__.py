@@ -31,6 +31,7 @@ from daemon.core import (
     AttributeValue,
     ConfiguredPool,
     ContainerAllocation,
+    DeviceChanged,
     DeviceInfo,
     DeviceMap,
     DeviceSpec,
@@ -126,6 +127,8 @@ class UsbDeviceHandler:
         """Read the USB device an event is at or below again (``Resync``: all of them)."""
         if isinstance(event, Resync):
             return self.scan()
+        if isinstance(event, DeviceChanged):  # found changed at Allocate: read it as a kernel change says
+            event = UEvent("change", event.devpath, event.subsystem)
         if not isinstance(event, UEvent) or (found := device_name_in(event.devpath)) is None:
             return facts
         name, devpath = found
@@ -186,7 +189,8 @@ class UsbDeviceHandler:
             device = read_usb_device(self._context, known.devpath, settled=known.settled, earlier=known) or known
             if device.nodes != known.nodes:
                 allocation.reread.add(device_id)
-                self._context.host_changes.device_changed(known.devpath, "usb")
+                self._context.host_changes.device_changed(self.name, known.devpath, "usb",
+                                                         "its device nodes changed since it was read")
             for node_spec in _node_specs(device, spec.permissions):
                 if node_spec.host_path not in seen:
                     seen.add(node_spec.host_path)
