@@ -29,9 +29,12 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
+from daemon.bus import Inbox
 from daemon.cdi import CdiWriter
+from daemon.checkpoint import CheckpointReader
 from daemon.core import (
     AnyHandler,
+    ClaimsChanged,
     ConfigChanged,
     ConfigFileError,
     DaemonConfig,
@@ -49,8 +52,9 @@ from daemon.core import (
     tell_lifecycle,
 )
 from daemon.deviceplugin import Endpoints
-from daemon.dra import DraDriver
-from daemon.host import HostServicer, LeaseBook, serve_control_socket
+from daemon.dra import ClaimBook, DraDriver
+from daemon.holdings import Holdings
+from daemon.host import Granter, HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
 from daemon.metrics import Metrics, MetricsServer, without_created_series
 from daemon.nfd import NfdFeatures
@@ -115,14 +119,15 @@ def run(settings: Settings) -> int:
         log.warning("config %s: %s", config.source, warning)
     log.info("config %s: %d pools", config.source, len(config.pools))
     without_created_series()
-    metrics = Metrics(settings.device_plugin_dir, standard=True)
+    checkpoint = CheckpointReader(settings.device_plugin_dir)
+    metrics = Metrics(checkpoint, standard=True)
     try:
         metrics_server = _serve_metrics(settings, metrics)
     except OSError as error:
         log.error("--metrics-address %s: cannot serve metrics there: %s", _address(settings.metrics_address), error)
         return EXIT_BAD_CONFIG
     try:
-        trio.run(_serve, settings, handlers, config, host_changes, metrics)
+        trio.run(_serve, settings, handlers, config, host_changes, metrics, checkpoint)
     finally:
         if metrics_server is not None:
             metrics_server.close()
@@ -155,11 +160,16 @@ def uevent_subsystems(handlers: Mapping[str, AnyHandler]) -> frozenset[str]:
 
 async def _serve(
     settings: Settings, handlers: dict[str, AnyHandler], config: DaemonConfig, host_changes: HostChanges,
-    metrics: Metrics,
+    metrics: Metrics, checkpoint: CheckpointReader,
 ) -> None:
     service = ServiceManager()
     leases = LeaseBook(settings.state_dir)
     leases.load()
+    claims = ClaimBook(settings.state_dir)
+    claims.load()
+    holdings = Holdings(leases, claims, checkpoint)
+    metrics.lost_books.labels("lease").set_function(lambda: float(leases.lost_book is not None))
+    metrics.lost_books.labels("claim").set_function(lambda: float(claims.lost_book is not None))
     cdi = CdiWriter(settings.cdi_dir)
     cdi.remove_all()
     labels = NfdFeatures(settings.nfd_features_dir)
@@ -179,17 +189,19 @@ async def _serve(
                 nursery.start_soon(metrics.liveness.keep_beating)
                 send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
                 kubelet_send, kubelet_receive = trio.open_memory_channel[Event](KUBELET_EVENTS_CAPACITY)
-                endpoints = Endpoints(settings, notifier, handlers, nursery, metrics)
+                inbox = Inbox(send_channel.clone())
+                nursery.start_soon(inbox.run)
+                leases.book.on_change = lambda: inbox.post(LeasesChanged("lease book"))
+                claims.book.on_change = lambda: inbox.post(ClaimsChanged("claim book"))
+                host_changes.connect(inbox.post)
+                endpoints = Endpoints(settings, notifier, handlers, nursery, metrics, holdings.holder)
                 log.info("registration mode: %s", endpoints.mode)
                 endpoints.remove_stale_sockets()
-                status = StatusReporter(service, endpoints)
+                status = StatusReporter(service, endpoints, holdings.lost_books)
                 endpoints.on_change = status.refresh
                 inotify = _inotify(settings, endpoints.mode)
-
-                def send(event: Event) -> None:
-                    nursery.start_soon(send_channel.send, event)
-
-                dra = DraDriver(settings, handlers, notifier, send, nursery, inotify.add_socket_dir, leases.holders)
+                dra = DraDriver(settings, handlers, notifier, claims, holdings, inbox.post, nursery,
+                                inotify.add_socket_dir, metrics)
                 if config.dra_pools:
                     dra.warm_up()
                 for consumer in (endpoints, dra, cdi, labels, status):
@@ -197,15 +209,11 @@ async def _serve(
                 nursery.start_soon(_follow_kubelet, kubelet_receive, endpoints, dra)
                 nursery.start_soon(keep_running, "the CDI writer", cdi.run, Backoff(first=0.1, maximum=10.0))
                 nursery.start_soon(keep_running, "the node labels", labels.run, Backoff(first=0.1, maximum=10.0))
-                loop = EventLoop(handlers, config, notifier, reload_config, service, leases.holders,
-                                 settings.device_plugin_dir, claim_holders=dra.holders, dra_withheld=dra.withheld,
-                                 metrics=metrics)
+                loop = EventLoop(handlers, config, notifier, reload_config, holdings, service, metrics,
+                                 capacity=BUS_CAPACITY)
                 nursery.start_soon(loop.run, receive_channel)
-                host_changes.connect(send)
-                host_api = HostServicer(
-                    notifier, handlers, leases, settings.device_plugin_dir, lambda: send(LeasesChanged("lease")),
-                    claim_holders=dra.holders, metrics=metrics,
-                )
+                host_api = HostServicer(notifier, Granter(notifier, handlers, leases, holdings), leases, holdings,
+                                        {"leases": leases.book, "claims": claims.book}, metrics)
                 await nursery.start(serve_control_socket, settings.control_socket, settings.control_group, host_api)
                 await _start_sources(nursery, settings, handlers, inotify, send_channel, kubelet_send)
                 # Sources listen before the first scan, so nothing that happens during it is lost.

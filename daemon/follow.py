@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import trio
 
-from daemon.core import DeviceTree, LatestValue
+from daemon.core import DeviceTree
+from daemon.core._mailbox import TreeMailbox
 
 
 class TreeFollower:
@@ -20,16 +21,15 @@ class TreeFollower:
         self._write = write
         self._settle = settle
         self._wakeup = trio.Event()
-        self._latest: LatestValue[DeviceTree] = LatestValue(lambda: self._wakeup.set())
+        self._mailbox = TreeMailbox(lambda: self._wakeup.set())  # no scope: only the newest tree matters
 
     def offer(self, tree: DeviceTree) -> None:
-        self._latest.put(tree)
+        self._mailbox.offer(tree)
 
     async def run(self) -> None:
         while True:
             await self._wakeup.wait()
             await trio.sleep(self._settle)  # let the ListAndWatch streams go first; a burst is one write
             self._wakeup = trio.Event()
-            full, tree = self._latest.take()
-            if full and tree is not None:
-                await trio.to_thread.run_sync(self._write, tree)
+            if (taken := self._mailbox.take()) is not None:
+                await trio.to_thread.run_sync(self._write, taken[0])

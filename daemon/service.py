@@ -4,7 +4,7 @@ All through systemd-python's ``sd_notify`` (a no-op when ``NOTIFY_SOCKET`` is un
 daemon runs the same in a shell, a container or a unit):
 
 * ``READY=1`` once the first tree is served and, when a kubelet is there, every pool registered;
-* ``STATUS=`` a one-line summary (pools, devices, unhealthy, kubelet), kept current;
+* ``STATUS=`` a one-line summary (pools, devices, unhealthy, kubelet, a lost book), kept current;
 * ``RELOADING=1`` then ``READY=1`` around a config reload; ``STOPPING=1`` on shutdown;
 * ``WATCHDOG=1`` every half ``WATCHDOG_USEC``, sent by a task of the event loop itself: a wedged
   loop stops the pings and systemd restarts the daemon.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import trio
@@ -22,7 +22,7 @@ from systemd import daemon as sd_daemon
 
 from daemon.core import DeviceTree
 
-log = logging.getLogger("devplugd.systemd")
+log = logging.getLogger("devplugd.service")
 
 
 def watchdog_interval(environ: Mapping[str, str]) -> float | None:
@@ -34,7 +34,7 @@ def watchdog_interval(environ: Mapping[str, str]) -> float | None:
     return int(usec) / 2_000_000
 
 
-def status_line(tree: DeviceTree, served: int, registered: int, mode: str) -> str:
+def status_line(tree: DeviceTree, served: int, registered: int, mode: str, lost_books: Sequence[str] = ()) -> str:
     devices = sum(len(pool.devices) for pool in tree.pools.values())
     unhealthy = sum(len(pool.devices) - pool.healthy_count for pool in tree.pools.values())
     if mode == "none":
@@ -47,7 +47,10 @@ def status_line(tree: DeviceTree, served: int, registered: int, mode: str) -> st
         kubelet = "not connected"
     else:
         kubelet = f"{registered} of {served} registered"
-    return f"{len(tree.pools)} pools, {devices} devices, {unhealthy} unhealthy; kubelet: {kubelet}"
+    line = f"{len(tree.pools)} pools, {devices} devices, {unhealthy} unhealthy; kubelet: {kubelet}"
+    for lost in lost_books:  # every device it could hold is held: the operator must know
+        line += f"; LOST BOOK: {lost}"
+    return line
 
 
 class ServiceManager:
@@ -108,9 +111,11 @@ class StatusReporter:
     """Keeps ``STATUS=`` current: a subscriber of the notifier, and told by the endpoints when
     one starts serving or registers. Cheap: one line, sent only when it changed."""
 
-    def __init__(self, service: ServiceManager, registrations: Registrations) -> None:
+    def __init__(self, service: ServiceManager, registrations: Registrations,
+                 lost_books: Callable[[], Sequence[object]] = list) -> None:
         self._service = service
         self._registrations = registrations
+        self._lost_books = lost_books
         self._tree = DeviceTree.empty()
 
     def offer(self, tree: DeviceTree) -> None:
@@ -120,4 +125,4 @@ class StatusReporter:
     def refresh(self) -> None:
         registrations = self._registrations
         self._service.status(status_line(self._tree, registrations.served_count, registrations.registered_count,
-                                         registrations.mode))
+                                         registrations.mode, [str(book) for book in self._lost_books()]))

@@ -10,8 +10,10 @@ from typing import Any, ClassVar
 
 import trio
 
-from daemon.checkpoint import CHECKPOINT_NAME
+from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
 from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
+from daemon.holdings import CLAIM, NO_BOOK, Holder, HoldingBook, Holdings, LostBook
+from daemon.metrics import Metrics
 
 
 class CountingHandler:
@@ -65,3 +67,38 @@ def write_checkpoint(directory: Path, *device_ids: str, resource: str = "example
     (directory / ".tmp").write_text(json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}},
                                                 "Checksum": 1}))
     (directory / ".tmp").rename(directory / CHECKPOINT_NAME)
+
+
+class ClaimsByDevice:
+    """A claim book as a plain dict: (resource, device ID) -> the claim's ``namespace/name``."""
+
+    def __init__(self) -> None:
+        self.claims: dict[tuple[str, str], str] = {}
+
+    def holders(self) -> dict[tuple[str, str], Holder]:
+        return {key: Holder(CLAIM, name) for key, name in self.claims.items()}
+
+    @property
+    def lost_book(self) -> LostBook | None:
+        return None
+
+
+def holdings_for(device_plugin_dir: Path | None, leases: HoldingBook = NO_BOOK,
+                 claims: HoldingBook = NO_BOOK) -> Holdings:
+    """The daemon's holdings over these books and the kubelet's checkpoint in ``device_plugin_dir``."""
+    return Holdings(leases, claims, CheckpointReader(device_plugin_dir))
+
+
+def batches(metrics: Metrics) -> int:
+    """Batches of events the event loop has handled, as its metric counts them."""
+    return int(metrics.registry.get_sample_value("devplugd_event_batches_total") or 0)
+
+
+async def wait_for_batches(metrics: Metrics, count: int, timeout: float = 5.0) -> None:
+    with trio.fail_after(timeout):
+        while batches(metrics) < count:
+            await trio.sleep(0.001)
+
+
+def reloads(metrics: Metrics) -> int:
+    return int(metrics.registry.get_sample_value("devplugd_config_reloads_total", {"outcome": "ok"}) or 0)

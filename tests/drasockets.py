@@ -21,6 +21,7 @@ from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from daemon.core import DeviceTree, Event, Notifier, PluginSocketRemoved
 from daemon.dra import DraSockets, HealthServicer
+from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.sources.inotify import InotifySource
 from tests.kubelet import DRA_SERVICES, FakeKubelet
@@ -77,7 +78,12 @@ class DraRig:
     notifier: Notifier
     plugin: RecordingPlugin
     health: HealthServicer
+    metrics: Metrics
     run_ended: list[str] = field(default_factory=list)
+
+    def health_streams(self) -> int:
+        """The open health streams, subscribed to the notifier, as the daemon's metric counts them."""
+        return int(self.metrics.registry.get_sample_value("devplugd_tree_streams", {"kind": "dra_health"}) or 0)
 
     async def kubelet_call(self, function: Callable[..., Any], *arguments: Any, **keywords: Any) -> Any:
         """A call of the stand-in's blocking API, from a worker thread: our servers answer it on
@@ -128,9 +134,10 @@ async def serving_dra(
             if tree is not None:
                 notifier.publish(tree)
             plugin = RecordingPlugin()
-            health = HealthServicer(notifier, NODE, resend_interval=resend_interval)
+            metrics = Metrics()
+            health = HealthServicer(notifier, NODE, resend_interval=resend_interval, metrics=metrics)
             sockets = DraSockets(settings, plugin, health)
-            rig = DraRig(settings, sockets, kubelet, notifier, plugin, health)
+            rig = DraRig(settings, sockets, kubelet, notifier, plugin, health, metrics)
             if with_inotify:
                 inotify = InotifySource([settings.plugins_registry_dir, settings.dra_socket.parent], None, None)
                 send, receive = trio.open_memory_channel[Event](100)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 
 import pytest
 import trio
 
-from daemon.checkpoint import CHECKPOINT_NAME, kubelet_allocations, read_allocations
+import daemon.checkpoint
+from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader, read_allocations
 from daemon.core import CheckpointChanged, Event
 from daemon.sources.inotify import InotifySource
 
@@ -30,7 +32,7 @@ def test_entries_of_both_formats_name_their_pod_and_container(tmp_path):
 
 
 def test_no_checkpoint_means_nothing_allocated(tmp_path):
-    assert read_allocations(tmp_path) == {} and kubelet_allocations(tmp_path) == {}
+    assert read_allocations(tmp_path) == {} and CheckpointReader(tmp_path).read_if_changed().allocations == {}
 
 
 @pytest.mark.parametrize("document", ["{torn", "[]", {"Data": {}}, {"Data": {"PodDeviceEntries": 7}}])
@@ -38,8 +40,36 @@ def test_a_checkpoint_that_cannot_be_read_is_logged_and_told_apart_from_an_empty
     write(tmp_path, document)
     with caplog.at_level(logging.WARNING):
         assert read_allocations(tmp_path) is None
-        assert kubelet_allocations(tmp_path) == {}  # the host API's reading: nobody known to hold anything
     assert "cannot read the kubelet checkpoint" in caplog.text
+    reading = CheckpointReader(tmp_path).read_if_changed()  # the daemon's reading: who holds what is unknown
+    assert reading.allocations is None and reading.error is not None and "cannot read the kubelet checkpoint" in reading.error
+
+
+async def test_the_reader_parses_the_file_off_the_event_loop_and_only_after_it_changed(tmp_path, monkeypatch):
+    parsed: list[int] = []
+    real = daemon.checkpoint.read_holdings
+
+    def counting(directory):
+        parsed.append(threading.get_ident())
+        return real(directory)
+
+    monkeypatch.setattr(daemon.checkpoint, "read_holdings", counting)
+    entry = {"PodUID": "u1", "ContainerName": "app", "ResourceName": "intel.com/dpdk", "DeviceIDs": {"0": ["a"]}}
+    write(tmp_path, {"Data": {"PodDeviceEntries": [entry]}, "Checksum": 1})
+    reader = CheckpointReader(tmp_path)
+    assert reader.stale
+    assert (await reader.current()).allocations == {("intel.com/dpdk", "a"): "pod u1/app"}
+    assert parsed and parsed[0] != threading.get_ident()  # in a worker thread
+    assert not reader.stale
+    await reader.current()
+    reader.mark_changed()  # inotify says written, but the file is the same one
+    await reader.current()
+    assert len(parsed) == 1
+    write(tmp_path, {"Data": {"PodDeviceEntries": []}, "Checksum": 2})
+    reader.mark_changed()
+    assert (await reader.current()).allocations == {}
+    assert len(parsed) == 2
+    assert reader.read_if_changed().allocations == {} and len(parsed) == 2  # a scrape's read: unchanged, not parsed
 
 
 async def test_inotify_reports_the_checkpoint_written_as_the_kubelet_writes_it(tmp_path):

@@ -14,12 +14,12 @@ from daemon.core import (
     DeviceInfo,
     DeviceSpec,
     DeviceTree,
-    LatestValue,
     Notifier,
     ResourceDiff,
     ResourcePool,
     default_allocation,
 )
+from daemon.core._mailbox import TreeMailbox
 from daemon.deviceplugin import ListingMessages, device_message
 from daemon.supervise import Backoff, keep_running
 
@@ -113,17 +113,20 @@ def test_unsubscribed_consumers_hear_nothing_more():
     watcher = Recorder()
     notifier.subscribe(watcher)
     notifier.unsubscribe(watcher)
+    still = Recorder()
+    notifier.subscribe(still)
     notifier.publish(tree(1, pool("a/x", {"d1": DeviceInfo()})))
-    assert watcher.trees == [] and notifier.subscriber_count == 0
+    assert watcher.trees == [] and [t.version for t in still.trees] == [1]
 
 
-def test_latest_value_conflates_a_slow_reader_to_the_newest():
+def test_a_mailbox_without_a_scope_conflates_a_slow_reader_to_the_newest():
     wakeups: list[int] = []
-    slot: LatestValue[int] = LatestValue(lambda: wakeups.append(1))
-    for value in range(100):
-        slot.put(value)
-    assert slot.take() == (True, 99)
-    assert slot.take() == (False, None)
+    mailbox = TreeMailbox(lambda: wakeups.append(1))
+    for version in range(100):
+        mailbox.offer(tree(version, pool("a/x", {"d1": DeviceInfo(health=UNHEALTHY if version % 2 else HEALTHY)})))
+    taken = mailbox.take()
+    assert taken is not None and taken[0].version == 99
+    assert mailbox.take() is None
     assert len(wakeups) == 100
 
 

@@ -31,6 +31,7 @@ from daemon.core import (
 )
 from daemon.dra import device_classes, pool_name
 from daemon.dra._kube import ApiLink
+from daemon.dra._pools import DraPools
 from daemon.dra._publisher import SlicePublisher
 from daemon.handlers.devnode import DevNodeHandler
 from daemon.settings import Settings
@@ -112,11 +113,12 @@ async def publish(api: ApiServer, kubeconfig: Path, hooks: dict[str, Hooks], off
 
     settings = Settings(kubeconfig=kubeconfig, node_name=NODE, dra_driver=DRIVER)
     link = ApiLink(settings)
-    publisher = SlicePublisher(settings, hooks, link)
+    publisher = SlicePublisher(settings, link)
+    pools = DraPools(DRIVER, NODE, hooks, publisher)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publisher.run)
-            publisher.offer(offered)
+            pools.offer(offered)
             await api.wait_until_async(lambda: ours() == expected, 10, lambda: f"{ours()} of {expected} devices")
             nursery.cancel_scope.cancel()
     finally:

@@ -11,9 +11,10 @@ import pytest
 import trio
 import trio.testing
 
-import daemon.dra._claims
+import daemon.holdings._book
 from daemon.dra._claims import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
 from daemon.files import write_atomically
+from daemon.holdings import CLAIM, Holder
 
 UID_A = "4a1f0c2e-0000-4000-8000-00000000000a"
 UID_B = "4a1f0c2e-0000-4000-8000-00000000000b"
@@ -77,7 +78,7 @@ async def test_removing_an_unknown_claim_changes_nothing(state_dir: Path) -> Non
 async def test_holders_are_the_exclusive_allocations(state_dir: Path) -> None:
     book = loaded(state_dir)
     await book.add(claim(UID_A, "a", device("0000:3b:02.0"), device("0000:3b:02.1", admin=True)))
-    assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): "claim default/a"}
+    assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): Holder(CLAIM, "default/a", UID_A)}
 
 
 async def test_claim_holds_its_devices_from_the_moment_it_is_added(
@@ -88,12 +89,12 @@ async def test_claim_holds_its_devices_from_the_moment_it_is_added(
         write_may_finish.wait(10)  # the disk is slow: the add waits on its write in a worker thread
         write_atomically(path, data)
 
-    monkeypatch.setattr(daemon.dra._claims, "write_atomically", held_write)
+    monkeypatch.setattr(daemon.holdings._book, "write_atomically", held_write)
     book = loaded(state_dir)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(book.add, claim())
         await trio.testing.wait_all_tasks_blocked()
-        assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): "claim default/a"}
+        assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): Holder(CLAIM, "default/a", UID_A)}
         assert book.prepared(UID_A) is None  # not in the file yet
         write_may_finish.set()
     assert book.prepared(UID_A) == claim()

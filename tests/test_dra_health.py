@@ -155,19 +155,18 @@ async def test_an_unchanged_list_is_sent_again_so_the_kubelet_never_takes_it_as_
 async def test_a_stream_ends_and_unsubscribes_when_the_kubelet_goes(short_tmp):
     async with serving_dra(short_tmp, tree=DeviceTree.build(1, [pool(X, {"d1": DeviceInfo()})])) as rig:
         await messages(rig, 1)
-        assert rig.health.stream_count == 1 and rig.notifier.subscriber_count == 1
+        assert rig.health_streams() == 1
         await rig.kubelet_call(rig.kubelet.restart_dra)
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2, timeout=2.0)
         await messages(rig, 2)  # the new registration's stream
         # the old stream ends when its server stops or, at the latest, at its next resend
         # (RESEND_INTERVAL) to a connection that is gone: allow that on a loaded machine
-        await wait_until(lambda: rig.health.stream_count == 1 and rig.notifier.subscriber_count == 1,
+        await wait_until(lambda: rig.health_streams() == 1,
                          "only the new stream subscribed", timeout=RESEND_INTERVAL + 10.0,
-                         state=lambda: f"{rig.health.stream_count} streams, "
-                                       f"{rig.notifier.subscriber_count} subscribers")
+                         state=lambda: f"{rig.health_streams()} streams subscribed")
         assert rig.kubelet.dra_health(DRIVER) == {key(X, "d1"): ("Healthy", "")}
         await trio.to_thread.run_sync(rig.kubelet.stop)
-        await wait_until(lambda: rig.health.stream_count == 0 and rig.notifier.subscriber_count == 0,
+        await wait_until(lambda: rig.health_streams() == 0,
                          "the stream ended with the kubelet's connection")
         assert rig.kubelet.dra_health(DRIVER) == {}
 
@@ -177,7 +176,7 @@ async def test_a_kubelet_without_the_health_gate_opens_no_stream_until_asked(sho
                            ) as rig:
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER)
         await trio.sleep(0.1)
-        assert rig.health.stream_count == 0 and rig.kubelet.dra_state(DRIVER).health_streams == 0
+        assert rig.health_streams() == 0 and rig.kubelet.dra_state(DRIVER).health_streams == 0
         await rig.kubelet_call(rig.kubelet.watch_health, DRIVER)
         health = await rig.kubelet_call(rig.kubelet.wait_for_health, lambda h: h != {}, DRIVER)
         assert health == {key(X, "d1"): ("Healthy", "")}

@@ -180,6 +180,11 @@ class Node:
         return allocate_container(self.hooks[pool.handler], pool, device_ids).envs
 
 
+def claim_labels(node: Node) -> dict[tuple[str, str], str]:
+    """(resource, device ID) -> ``claim <namespace>/<name>`` of what the claim book holds."""
+    return {key: f"claim {holder.name}" for key, holder in node.book.holders().items()}
+
+
 @pytest.fixture
 def node(short_tmp: Path, host: FakeHost, pci: Pci) -> Node:
     return Node(short_tmp, host, pci)
@@ -553,7 +558,7 @@ async def test_checkpoint_that_cannot_be_written_undoes_the_prepare(node: Node) 
         f"claim default/vfs: cannot write the checkpoint {node.state_dir / CLAIMS_FILE}: ")
     assert not node.spec_path(uid(1)).exists()
     assert node.devinfo_files() == []
-    assert node.book.holders() == {}
+    assert claim_labels(node) == {}
 
 
 # -- two claims, one device -------------------------------------------------------------------
@@ -566,7 +571,7 @@ async def test_device_prepared_for_one_claim_is_refused_to_another(node: Node) -
     answer = await node.prepare_one(second)
     assert answer.error == (f"claim other/b: device '0000-3b-02-0' ({NET_VFS[0]} of {NET}) is prepared for "
                             f"claim default/a (UID {uid(1)})")
-    assert node.book.holders() == {(NET, NET_VFS[0]): "claim default/a"}
+    assert claim_labels(node) == {(NET, NET_VFS[0]): "claim default/a"}
     assert not node.spec_path(uid(2)).exists()
     assert node.devinfo_files() == ["intel.com-sriov_net-0000:3b:02.0-device.json"]  # claim a's, not b's
 
@@ -585,7 +590,7 @@ async def test_admin_access_shares_a_prepared_device(node: Node) -> None:
     answers = await node.prepare(owner, admin)
     assert [answers[uid(n)].error for n in (1, 2)] == [None, None]
     assert answers[uid(2)].devices[0].admin_access
-    assert node.book.holders() == {(NET, NET_VFS[0]): "claim default/owner"}
+    assert claim_labels(node) == {(NET, NET_VFS[0]): "claim default/owner"}
 
 
 async def test_exclusive_claim_may_follow_an_admin_access_one(node: Node) -> None:
@@ -640,7 +645,7 @@ async def test_unprepare_removes_spec_side_files_and_entry(node: Node) -> None:
     assert not node.spec_path(uid(1)).exists()
     assert node.devinfo_files() == []
     assert node.checkpoint()["claims"] == []
-    assert node.book.holders() == {}
+    assert claim_labels(node) == {}
     assert node.changes == ["claim default/vfs prepared", "claim default/vfs unprepared"]
 
 
@@ -674,7 +679,7 @@ async def test_unprepare_that_cannot_write_the_checkpoint_keeps_the_device_held(
     node.state_dir.write_text("")  # the checkpoint can no longer be written
     errors = await node.preparer.unprepare([ref])
     assert errors[uid(1)] is not None and errors[uid(1)].startswith("claim default/vfs: cannot write the checkpoint")
-    assert node.book.holders() == {(NET, NET_VFS[0]): "claim default/vfs"}
+    assert claim_labels(node) == {(NET, NET_VFS[0]): "claim default/vfs"}
 
 
 # -- a checkpoint that is lost ----------------------------------------------------------------

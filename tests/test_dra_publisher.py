@@ -35,7 +35,9 @@ from daemon.core import (
 )
 from daemon.dra import _publisher
 from daemon.dra._kube import ApiLink, Kube
+from daemon.dra._pools import DraPools
 from daemon.dra._publisher import SlicePublisher
+from daemon.metrics import Metrics
 from daemon.settings import Settings
 from tests.apiserver import SLICES_PATH, ApiServer, Request
 
@@ -136,15 +138,21 @@ async def wait_for_log(caplog: pytest.LogCaptureFixture, pattern: str, timeout: 
 # -- the publisher -------------------------------------------------------------------------------
 @dataclass
 class Running:
-    publisher: SlicePublisher
+    pools: DraPools
+    metrics: Metrics
     changes: list[str] = field(default_factory=list)
+
+    def syncs(self) -> float:
+        """Sync rounds of the publisher that left nothing to do, as its metric counts them."""
+        return self.metrics.registry.get_sample_value("devplugd_dra_slice_syncs_total") or 0.0
 
     async def settle(self, offered: DeviceTree, timeout: float = 5.0) -> None:
         """Offer ``offered`` and wait for the sync round after it that left nothing to do."""
-        synced = self.publisher.synced
-        self.publisher.offer(offered)
+        synced = self.syncs()
+        self.pools.offer(offered)
         with trio.fail_after(timeout):
-            await synced.wait()
+            while self.syncs() <= synced:
+                await trio.sleep(0.002)
 
 
 @asynccontextmanager
@@ -154,11 +162,14 @@ async def publishing(kubeconfig: Path, *, node: str = NODE,
     settings = Settings(kubeconfig=kubeconfig, node_name=node, dra_driver=DRIVER)
     link = ApiLink(settings, connect)
     changes: list[str] = []
-    publisher = SlicePublisher(settings, {}, link, on_change=changes.append)
+    metrics = Metrics()
+    pools: list[DraPools] = []
+    publisher = SlicePublisher(settings, link, metrics, on_server=lambda on_server: pools[0].on_server(on_server))
+    pools.append(DraPools(DRIVER, node, {}, publisher, lambda withheld, why: changes.append(why)))
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publisher.run)
-            yield Running(publisher, changes)
+            yield Running(pools[0], metrics, changes)
             nursery.cancel_scope.cancel()
     finally:
         link.close()
@@ -395,7 +406,7 @@ async def test_a_pool_the_server_refuses_is_logged_once_with_the_causes_and_not_
     long_node = ".".join(["n" * 63, "o" * 63, "p" * 63, "q" * 50])
     api.add_node(long_node)
     async with publishing(api.kubeconfig(tmp_path / "kubeconfig"), node=long_node) as running:
-        running.publisher.offer(tree(pool("things", ids(2))))
+        running.pools.offer(tree(pool("things", ids(2))))
         line = await wait_for_log(caplog, "refused pool", level=logging.ERROR)
         assert "spec.pool.name: Too long: may not be more than 253 bytes" in line
         assert "not tried again until its devices change" in line
@@ -403,7 +414,7 @@ async def test_a_pool_the_server_refuses_is_logged_once_with_the_causes_and_not_
         await trio.sleep(1)
         assert len(writes(api)) == 1  # not tried again
         assert errors(caplog) == [line]
-        running.publisher.offer(tree(pool("things", ids(3))))  # a change of its devices: tried again
+        running.pools.offer(tree(pool("things", ids(3))))  # a change of its devices: tried again
         await api.wait_until_async(lambda: len(writes(api)) == 2, 5, "a second POST")
         await wait_for_log(caplog, "generation 1, 3 devices", level=logging.ERROR)
 
@@ -413,7 +424,7 @@ async def test_a_refused_pool_is_tried_again_when_its_devices_change(
 ) -> None:
     api.fail_next("POST", SLICES_PATH + "$", 422, message="ResourceSlice.resource.k8s.io is invalid: injected")
     async with publishing(kubeconfig) as running:
-        running.publisher.offer(tree(pool("things", ids(2)), pool("other", ids(1))))
+        running.pools.offer(tree(pool("things", ids(2)), pool("other", ids(1))))
         await wait_published(api, "other", ids(1))
         (line,) = errors(caplog)
         assert f"refused pool {pool_name('things')}" in line and "injected" in line
@@ -500,7 +511,7 @@ async def test_a_list_that_answers_late_never_undoes_our_writes(api: ApiServer, 
         expire_the_watch(api)
         await api.wait_until_async(lambda: lists(api) == listed + 1, 5, "the list again")  # its answer is late
         before = len(writes(api))
-        running.publisher.offer(tree(pool("things", ids(200))))  # a second slice
+        running.pools.offer(tree(pool("things", ids(200))))  # a second slice
         assert await wait_published(api, "things", ids(200)) == 2
         await api.wait_until_async(lambda: watches(api) > watched + 1, 5, "the list's answer in, a new watch")
         await running.settle(tree(pool("things", ids(200))))
@@ -516,10 +527,10 @@ async def test_an_outage_is_one_error_line_retried_with_a_capped_backoff_and_end
         await running.settle(tree(pool("things", ids(3))))
         await wait_published(api, "things", ids(3))
         api.down()
-        running.publisher.offer(tree(pool("things", ids(4))))
+        running.pools.offer(tree(pool("things", ids(4))))
         await wait_for_log(caplog, "unreachable", level=logging.ERROR)
         await trio.sleep(2)  # 0.2 + 0.4 + 0.5 + 0.5 + ...: several tries
-        running.publisher.offer(tree(pool("things", ids(5))))  # the latest, while still down
+        running.pools.offer(tree(pool("things", ids(5))))  # the latest, while still down
         await trio.sleep(0.5)
         api.up()
         assert await wait_published(api, "things", ids(5), timeout=3) == 2  # never the intermediate one
@@ -537,7 +548,7 @@ async def test_a_node_missing_from_the_api_server_is_one_error_line_and_publishi
     monkeypatch.setattr(_publisher, "RETRY_MAX", 0.5)
     with ApiServer(token=TOKEN) as api:
         async with publishing(api.kubeconfig(tmp_path / "kubeconfig")) as running:
-            running.publisher.offer(tree(pool("things", ids(2))))
+            running.pools.offer(tree(pool("things", ids(2))))
             line = await wait_for_log(caplog, "not on the API server", level=logging.ERROR)
             assert f"node {NODE} is not on the API server" in line
             await api.wait_until_async(
@@ -561,15 +572,15 @@ async def test_a_pool_moved_back_to_the_device_plugin_api_is_withheld_until_its_
         assert running.changes == []
         last = slices_of(api, "things")[-1]["metadata"]["name"]
         api.fail_next("DELETE", f"{last}$", None, delay=1.0)  # the last delete takes a while
-        running.publisher.offer(tree(pool("things", ids(300), api="devicePlugin", road=WITHHELD_ROAD),
+        running.pools.offer(tree(pool("things", ids(300), api="devicePlugin", road=WITHHELD_ROAD),
                                      pool("other", ids(1))))
         await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
-        assert resource in running.publisher.withheld()
+        assert resource in running.pools.withheld()
         await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
         with trio.fail_after(5):
             while running.changes != ["slices withdrawn"]:
                 await trio.sleep(0.02)
-        assert resource not in running.publisher.withheld()
+        assert resource not in running.pools.withheld()
         assert slices_of(api, "other")
     assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer served through DRA)")
     assert not logged(caplog, "deleted by someone else")
@@ -586,16 +597,16 @@ async def test_after_a_restart_a_device_plugin_pool_with_slices_left_is_withheld
     # the daemon comes back with the pool moved to the device-plugin API while it was down: the
     # loop, told of no slices yet, serves it that way until the publisher says otherwise
     async with publishing(kubeconfig) as running:
-        running.publisher.offer(tree(pool("things", ids(300), api="devicePlugin", road=DEVICE_PLUGIN_ROAD),
+        running.pools.offer(tree(pool("things", ids(300), api="devicePlugin", road=DEVICE_PLUGIN_ROAD),
                                      pool("other", ids(1))))
         await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
-        assert resource in running.publisher.withheld()
+        assert resource in running.pools.withheld()
         assert running.changes == ["slices to withdraw"]
         await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
         with trio.fail_after(5):
             while running.changes != ["slices to withdraw", "slices withdrawn"]:
                 await trio.sleep(0.02)
-        assert resource not in running.publisher.withheld()
+        assert resource not in running.pools.withheld()
 
 
 async def test_a_pool_removed_from_the_config_has_its_slices_deleted(

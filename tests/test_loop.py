@@ -11,8 +11,8 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
-import daemon.loop
-from daemon.checkpoint import CHECKPOINT_NAME, read_allocations
+import daemon.checkpoint
+from daemon.checkpoint import CHECKPOINT_NAME, read_holdings
 from daemon.core import (
     HEALTHY,
     UNHEALTHY,
@@ -26,8 +26,17 @@ from daemon.core import (
 )
 from daemon.deviceplugin import Endpoints
 from daemon.loop import EventLoop
+from daemon.metrics import Metrics
 from daemon.settings import Settings
-from tests.counting import CountingHandler, wait_for_socket, write_checkpoint
+from tests.counting import (
+    CountingHandler,
+    batches,
+    holdings_for,
+    reloads,
+    wait_for_batches,
+    wait_for_socket,
+    write_checkpoint,
+)
 
 
 def counted_config(handler: CountingHandler, *names: str) -> DaemonConfig:
@@ -42,13 +51,13 @@ class Running:
     notifier: Notifier
     handler: CountingHandler
     send: trio.MemorySendChannel[Event]
+    metrics: Metrics
 
     async def handle(self, event: Event) -> None:
         """Send ``event`` alone and wait until the loop has handled it."""
-        handled = self.loop.batches
+        handled = batches(self.metrics)
         await self.send.send(event)
-        with trio.fail_after(5):
-            await self.loop.wait_for_batches(handled + 1)
+        await wait_for_batches(self.metrics, handled + 1)
 
     def devices(self, name: str = "things") -> set[str]:
         return set(self.notifier.tree.pools[f"example.com/{name}"].devices)
@@ -70,12 +79,14 @@ async def running_loop(tmp: Path, next_config: list[str] | None = None, *, capac
         settings = Settings(device_plugin_dir=tmp / "dp", registration="none")
         notifier = Notifier()
         notifier.subscribe(Endpoints(settings, notifier, {"counting": handler}, nursery))
-        loop = EventLoop({"counting": handler}, config, notifier, load_config, device_plugin_dir=tmp / "dp")
+        metrics = Metrics()
+        loop = EventLoop({"counting": handler}, config, notifier, load_config, holdings_for(tmp / "dp"),
+                         metrics=metrics, capacity=capacity)
         send, receive = trio.open_memory_channel[Event](capacity)
         for event in before_start:
             send.send_nowait(event)
         nursery.start_soon(loop.run, receive)
-        yield Running(loop, notifier, handler, send)
+        yield Running(loop, notifier, handler, send, metrics)
         nursery.cancel_scope.cancel()
 
 
@@ -90,8 +101,7 @@ async def test_initial_scan_arrives_as_an_event_and_is_served(short_tmp):
 async def test_a_burst_of_events_becomes_one_new_tree_and_one_scan(short_tmp):
     burst = [Resync("counting", "burst")] * 256
     async with running_loop(short_tmp, capacity=300, before_start=burst) as running:
-        with trio.fail_after(5):
-            await running.loop.wait_for_batches(1)
+        await wait_for_batches(running.metrics, 1)
         assert running.notifier.tree.version == 1
         assert running.handler.scans == 1  # 256 Resyncs of one handler in one batch: one scan
 
@@ -118,7 +128,7 @@ async def test_reload_adds_and_withdraws_pools_and_a_bad_file_changes_nothing(sh
         first_tree = running.notifier.tree
         next_config[0] = "{broken"
         await running.handle(ConfigChanged("test"))
-        assert running.notifier.tree is first_tree and running.loop.reloads == 0
+        assert running.notifier.tree is first_tree and reloads(running.metrics) == 0
         next_config[0] = json.dumps({"resourceList": [{"resourceName": "others", "deviceType": "counted",
                                                        "selectors": {}}]})
         await running.handle(ConfigChanged("test"))
@@ -136,11 +146,11 @@ async def test_a_handler_failing_to_parse_a_reloaded_pool_refuses_the_reload_and
         handler.fail_parse = True
         await running.handle(ConfigChanged("test"))
         assert handler.parsed > parsed_at_start  # the running handler validated the reload
-        assert running.notifier.tree is first_tree and running.loop.reloads == 0
+        assert running.notifier.tree is first_tree and reloads(running.metrics) == 0
         assert "handler counting failed to parse this pool: KeyError" in caplog.text
         handler.fail_parse = False
         await running.handle(ConfigChanged("test"))
-        assert running.loop.reloads == 1
+        assert reloads(running.metrics) == 1
         assert [pool.resource for pool in running.loop.config.pools] == ["example.com/others"]
 
 
@@ -204,9 +214,9 @@ async def test_the_checkpoint_is_read_only_when_a_device_vanished_or_it_changed(
 
     def counting_read(directory: Path):
         reads.append(directory)
-        return read_allocations(directory)
+        return read_holdings(directory)
 
-    monkeypatch.setattr(daemon.loop, "read_allocations", counting_read)
+    monkeypatch.setattr(daemon.checkpoint, "read_holdings", counting_read)
     async with running_loop(short_tmp) as running:
         running.handler.devices = 3
         await running.handle(Resync(None, "start"))

@@ -19,9 +19,10 @@ import trio
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.checkpoint import CHECKPOINT_NAME
+from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
 from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, DeviceTree, ResourcePool
-from daemon.deviceplugin._servicer import StreamMailbox
+from daemon.core._mailbox import TreeStream
+from daemon.deviceplugin._servicer import listing_scope
 from daemon.metrics import CHANGED, FAILED, IGNORED, UNCHANGED, Liveness, Metrics, MetricsServer, metrics_outcome
 from daemon.settings import parse_host_port
 
@@ -99,7 +100,7 @@ def test_allocation_info_names_the_pod_and_container_from_the_checkpoint(tmp_pat
          "DeviceIDs": {"0": ["0000:3b:02.0"], "1": ["0000:3b:02.1"]}},
         {"PodUID": "uid-2", "ContainerName": "other", "ResourceName": "example.com/unknown", "DeviceIDs": ["x"]},
     ])
-    metrics = Metrics(tmp_path)
+    metrics = Metrics(CheckpointReader(tmp_path))
     metrics.tree.offer(two_pools())
     assert sorted(series(metrics, "devplugd_device_allocation_info"), key=lambda s: s["device"]) == [
         {"resource": "intel.com/dpdk", "device": "0000:3b:02.0", "pod_uid": "uid-1", "container": "app"},
@@ -112,7 +113,7 @@ def test_allocation_info_names_the_pod_and_container_from_the_checkpoint(tmp_pat
 def test_a_missing_or_bad_checkpoint_gives_no_allocation_series_and_one_log_line(tmp_path, caplog, content):
     if content is not None:
         (tmp_path / CHECKPOINT_NAME).write_text(content)
-    metrics = Metrics(tmp_path)
+    metrics = Metrics(CheckpointReader(tmp_path))
     metrics.tree.offer(two_pools())
     with caplog.at_level(logging.INFO, logger="devplugd"):
         for _ in range(3):  # three scrapes
@@ -175,15 +176,18 @@ def test_an_event_outcome_is_the_worst_of_its_folds():
 
 
 def test_a_conflated_list_answers_its_oldest_event():
+    def stamped(version: int, devices: dict[str, DeviceInfo], arrival: float) -> DeviceTree:
+        return DeviceTree.build(version, [pool("a/x", devices)], arrival)
+
     async def run() -> tuple[float | None, float | None]:
-        mailbox = StreamMailbox(pool("a/x", {}))
-        mailbox.offer(pool("a/x", {"d1": DeviceInfo()}), 10.0)
-        mailbox.offer(pool("a/x", {"d1": DeviceInfo(), "d2": DeviceInfo()}), 11.0)  # replaces the first
-        await mailbox.next_pool(0.0)
-        first = mailbox.taken_arrival
-        mailbox.offer(pool("a/x", {"d3": DeviceInfo()}), 12.0)
-        await mailbox.next_pool(0.0)
-        return first, mailbox.taken_arrival
+        stream = TreeStream(listing_scope("a/x", "test"), DeviceTree.build(1, [pool("a/x", {})]))
+        stream.offer(stamped(2, {"d1": DeviceInfo()}, 10.0))
+        stream.offer(stamped(3, {"d1": DeviceInfo(), "d2": DeviceInfo()}, 11.0))  # replaces the first
+        await stream.next(last_sent=0.0)
+        first = stream.taken_arrival
+        stream.offer(stamped(4, {"d3": DeviceInfo()}, 12.0))
+        await stream.next(last_sent=0.0)
+        return first, stream.taken_arrival
 
     assert asyncio.run(run()) == (10.0, 12.0)
 

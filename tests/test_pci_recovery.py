@@ -29,10 +29,12 @@ from daemon.core import (
     UEvent,
     parse_config,
 )
+from daemon.core._mailbox import TreeStream
 from daemon.deviceplugin import _servicer
-from daemon.deviceplugin._servicer import StreamMailbox
+from daemon.deviceplugin._servicer import listing_scope
 from daemon.handlers.pci import _folding
 from daemon.loop import EventLoop
+from tests.counting import holdings_for
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
 
@@ -223,7 +225,7 @@ async def test_the_loop_publishes_the_unhealthy_tree_before_folding_the_recovery
     notifier = Notifier()
     trees = Trees()
     notifier.subscribe(trees)
-    loop = EventLoop({"recovering": handler}, config, notifier, lambda: config)
+    loop = EventLoop({"recovering": handler}, config, notifier, lambda: config, holdings_for(None))
     send, receive = trio.open_memory_channel[Event](16)
     send.send_nowait(Resync(None, "start"))
     for action in ("lose", "restore"):  # as the kernel sends them: BEGIN on every function, then SUCCESSFUL
@@ -243,31 +245,96 @@ async def test_the_loop_publishes_the_unhealthy_tree_before_folding_the_recovery
     assert handler.fold_threads["d0"] != main
 
 
+class BlockedReadHandler(RecoveringHandler):
+    """``slow dN`` uevents read a device under a fatal reset: their fold blocks until ``reads``
+    is set (the kernel holds the device's locks for seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = threading.Event()
+        self.read_done = threading.Event()
+
+    def fold(self, facts: frozenset[str], event: Event) -> frozenset[str]:
+        if isinstance(event, UEvent) and event.action == "slow":
+            self.reads.wait(10)
+            self.read_done.set()
+            return facts
+        return super().fold(facts, event)
+
+    def fold_may_block(self, facts: frozenset[str], event: Event) -> bool:
+        return isinstance(event, UEvent) and event.action == "slow"
+
+    def health_step(self, event: Event) -> str | None:
+        return HEALTH_LOST if isinstance(event, UEvent) and event.action == "lose" else None
+
+
+async def test_a_health_loss_is_published_before_a_fold_that_may_block():
+    """A fatal error's BEGIN_RECOVERY (folded from the event alone), then a uevent whose fold reads
+    the device under reset: the Unhealthy tree goes out while that read still waits."""
+    handler = BlockedReadHandler()
+    config = parse_config('{"resourceList": [{"resourceName": "things", "deviceType": "counted", "selectors": {}}]}',
+                          "test", "example.com", {"counted": ("recovering", handler.parse_pool)})
+    notifier = Notifier()
+    trees = Trees()
+    notifier.subscribe(trees)
+    loop = EventLoop({"recovering": handler}, config, notifier, lambda: config, holdings_for(None))
+    send, receive = trio.open_memory_channel[Event](16)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(loop.run, receive)
+        await send.send(Resync(None, "start"))
+        with trio.fail_after(5):
+            while not trees.trees:
+                await trio.sleep(0.005)
+        send.send_nowait(UEvent("lose", "d0", "x"))
+        send.send_nowait(UEvent("slow", "d1", "x"))  # waiting on the bus in the same batch
+        with trio.fail_after(5):
+            while trees.trees[-1].pools["example.com/things"].devices["d0"].health != UNHEALTHY:
+                await trio.sleep(0.005)
+        assert not handler.read_done.is_set()  # published while the blocked read still waits
+        handler.reads.set()
+        with trio.fail_after(5):
+            while not handler.read_done.is_set():
+                await trio.sleep(0.005)
+        nursery.cancel_scope.cancel()
+
+
 # -- the ListAndWatch mailbox ------------------------------------------------------------------
 
 
-def _pool(healths: dict[str, str]) -> Any:
-    from daemon.core import ResourcePool
-    return ResourcePool("example.com/things", "t", None,  # type: ignore[arg-type]
+_versions = iter(range(1, 1_000_000))
+
+
+def _tree(healths: dict[str, str]) -> Any:
+    from daemon.core import DeviceTree, ResourcePool
+    pool = ResourcePool("example.com/things", "t", None,  # type: ignore[arg-type]
                         {device_id: DeviceInfo(health=health) for device_id, health in healths.items()})
+    return DeviceTree.build(next(_versions), [pool])
+
+
+def _stream(first: dict[str, str]) -> TreeStream:
+    return TreeStream(listing_scope("example.com/things", "t"), _tree(first))
+
+
+def _listing(tree: Any) -> Any:
+    pool = tree.pools.get("example.com/things") if tree is not None else None
+    return pool.listing if pool is not None else None
 
 
 def test_an_unhealthy_list_is_sent_at_once_and_not_hidden_by_a_healthy_one():
     async def run() -> tuple[list[Any], list[float], float]:
-        healthy = _pool({"a": HEALTHY, "b": HEALTHY})
-        mailbox = StreamMailbox(healthy)
+        stream = _stream({"a": HEALTHY, "b": HEALTHY})
         last_sent = time.monotonic()  # the stream has just sent: a plain change would be held
-        mailbox.offer(_pool({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))  # plain: conflated away
-        unhealthy = _pool({"a": UNHEALTHY, "b": UNHEALTHY, "c": HEALTHY})
-        mailbox.offer(_pool({"a": UNHEALTHY, "b": HEALTHY, "c": HEALTHY}))
-        mailbox.offer(unhealthy)  # includes the first urgent one's Unhealthy device: replaces it
-        mailbox.offer(_pool({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))
+        stream.offer(_tree({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))  # plain: conflated away
+        stream.offer(_tree({"a": UNHEALTHY, "b": HEALTHY, "c": HEALTHY}))
+        stream.offer(_tree({"a": UNHEALTHY, "b": UNHEALTHY, "c": HEALTHY}))  # includes the first urgent one's: replaces it
+        stream.offer(_tree({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))
         offered = time.monotonic()
         sent, returned = [], []
         for _ in range(2):
-            pool = await mailbox.next_pool(last_sent)
+            tree = await stream.next(last_sent=last_sent, quiet=_servicer.COALESCE_QUIET,
+                                     max_delay=_servicer.COALESCE_MAX_DELAY)
             last_sent = time.monotonic()
-            sent.append(pool.listing if pool else None)
+            sent.append(_listing(tree))
             returned.append(last_sent - offered)
         return sent, returned, offered
 
@@ -280,13 +347,14 @@ def test_an_unhealthy_list_is_sent_at_once_and_not_hidden_by_a_healthy_one():
 
 def test_an_urgent_list_interrupts_a_held_one():
     async def run() -> tuple[Any, float]:
-        mailbox = StreamMailbox(_pool({"a": HEALTHY}))
+        stream = _stream({"a": HEALTHY})
         last_sent = time.monotonic()
-        mailbox.offer(_pool({"a": HEALTHY, "b": HEALTHY}))
-        asyncio.get_running_loop().call_later(0.005, mailbox.offer, _pool({"a": UNHEALTHY, "b": HEALTHY}))
+        stream.offer(_tree({"a": HEALTHY, "b": HEALTHY}))
+        asyncio.get_running_loop().call_later(0.005, stream.offer, _tree({"a": UNHEALTHY, "b": HEALTHY}))
         started = time.monotonic()
-        pool = await mailbox.next_pool(last_sent)
-        return pool.listing if pool else None, time.monotonic() - started
+        tree = await stream.next(last_sent=last_sent, quiet=_servicer.COALESCE_QUIET,
+                                 max_delay=_servicer.COALESCE_MAX_DELAY)
+        return _listing(tree), time.monotonic() - started
 
     listing, waited = asyncio.run(run())
     assert listing == (("a", UNHEALTHY, ()), ("b", HEALTHY, ())) and waited < _servicer.COALESCE_QUIET

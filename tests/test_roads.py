@@ -28,9 +28,19 @@ from daemon.core import (
     parse_config,
 )
 from daemon.deviceplugin import Endpoints
+from daemon.holdings import Holdings
 from daemon.loop import EventLoop
+from daemon.metrics import Metrics
 from daemon.settings import Settings
-from tests.counting import CountingHandler, wait_for_socket, write_checkpoint
+from tests.counting import (
+    ClaimsByDevice,
+    CountingHandler,
+    batches,
+    holdings_for,
+    wait_for_batches,
+    wait_for_socket,
+    write_checkpoint,
+)
 
 
 def config_text(api: str) -> str:
@@ -45,15 +55,19 @@ class Roads:
     loop: EventLoop
     notifier: Notifier
     send: trio.MemorySendChannel[Event]
+    metrics: Metrics
+    holdings: Holdings
     claims: dict[tuple[str, str], str] = field(default_factory=dict)
-    withheld: set[str] = field(default_factory=set)
     next_config: list[str] = field(default_factory=list)
 
     async def handle(self, event: Event) -> None:
-        handled = self.loop.batches
+        handled = batches(self.metrics)
         await self.send.send(event)
-        with trio.fail_after(5):
-            await self.loop.wait_for_batches(handled + 1)
+        await wait_for_batches(self.metrics, handled + 1)
+
+    def withhold(self, *resources: str) -> None:
+        """What the DRA driver says while a pool's slices are still on the API server."""
+        self.holdings.set_withheld(frozenset(resources))
 
     def pool(self, name: str = "things") -> ResourcePool:
         return self.notifier.tree.pools[f"example.com/{name}"]
@@ -74,13 +88,13 @@ async def roads(tmp: Path, api: str) -> AsyncIterator[Roads]:
         notifier = Notifier()
         notifier.subscribe(Endpoints(settings, notifier, {"counting": handler}, nursery))
         send, receive = trio.open_memory_channel[Event](16)
-        claims: dict[tuple[str, str], str] = {}
-        withheld: set[str] = set()
+        claims = ClaimsByDevice()
+        holdings = holdings_for(tmp / "dp", claims=claims)
+        metrics = Metrics()
         loop = EventLoop({"counting": handler}, parse_config(config_text(api), "test", "example.com", parsers),
-                         notifier, load_config, device_plugin_dir=tmp / "dp",
-                         claim_holders=lambda: claims, dra_withheld=lambda: frozenset(withheld))
+                         notifier, load_config, holdings, metrics=metrics)
         nursery.start_soon(loop.run, receive)
-        state = Roads(loop, notifier, send, claims, withheld)
+        state = Roads(loop, notifier, send, metrics, holdings, claims.claims)
         await state.handle(Resync(None, "start"))
         yield state
         nursery.cancel_scope.cancel()
@@ -107,13 +121,13 @@ async def test_moving_a_pool_to_dra_ends_its_kubelet_endpoint(short_tmp):
 
 async def test_a_pool_moved_back_is_withheld_until_its_slices_are_gone(short_tmp):
     async with roads(short_tmp, "dra") as running:
-        running.withheld.add("example.com/things")  # its slices are still on the API server
+        running.withhold("example.com/things")  # its slices are still on the API server
         running.next_config.append(config_text("devicePlugin"))
         await running.handle(ConfigChanged("test"))
         assert running.pool().road == WITHHELD_ROAD
         await trio.sleep(0.2)
         assert not list((short_tmp / "dp").glob("devplugd-example.com_things-*.sock"))
-        running.withheld.clear()
+        running.withhold()
         await running.handle(ClaimsChanged("slices withdrawn"))
         assert running.pool().road == DEVICE_PLUGIN_ROAD
         await wait_for_socket(short_tmp / "dp", "example.com_things")

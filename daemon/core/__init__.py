@@ -52,7 +52,7 @@ from ._handler import (
 )
 from ._jsonpath import ConfigError, ConfigObject
 from ._names import device_list_env_name, dns_subdomain_problem, dra_pool_part, extended_resource_name_problem
-from ._notifier import LatestValue, Notifier, Subscriber
+from ._notifier import Notifier, Subscriber
 from ._registry import HandlerLoadError, load_handlers, parser_table
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
 from ._tree import (
@@ -108,7 +108,6 @@ __all__ = [
     "Hooks",
     "HostChanges",
     "KubeletSocketCreated",
-    "LatestValue",
     "LeasesChanged",
     "LinkChanged",
     "LinkSnapshot",

@@ -82,6 +82,8 @@ class ResourcePool:
     DRA) leaves them out of the kubelet's list until they are unprepared. ``kubelet_held`` (DRA
     pools only) are devices the kubelet's device-plugin checkpoint still shows allocated to pods
     (the pool was moved to DRA while they ran): they stay out of the ResourceSlices until released.
+    ``lost_book`` (``"lease"``, ``"claim"`` or ``""``) is a book that could not be read and so
+    holds every device of the pool (see ``daemon.holdings``): none is offered anew on any road.
     """
 
     resource: str
@@ -93,15 +95,22 @@ class ResourcePool:
     road: str = DEVICE_PLUGIN_ROAD
     claimed: frozenset[str] = frozenset()
     kubelet_held: frozenset[str] = frozenset()
+    lost_book: str = ""
+
+    def listed(self, device_id: object) -> bool:
+        """Whether the kubelet's list has the device: it is in the pool and no host lease, claim
+        or lost book holds it."""
+        return not self.lost_book and device_id in self.devices and (
+            device_id not in self.leased and device_id not in self.claimed)
 
     @cached_property
     def listing(self) -> Listing:
-        """What a ListAndWatch message carries: (ID, health, NUMA nodes), sorted by ID, without
-        the devices under a host lease or prepared for a DRA claim."""
+        """What a ListAndWatch message carries: (ID, health, NUMA nodes) of each ``listed``
+        device, sorted by ID."""
+        listed = self.listed
         return tuple(
             (device_id, info.health, info.numa_nodes)
-            for device_id, info in sorted(self.devices.items())
-            if device_id not in self.leased and device_id not in self.claimed
+            for device_id, info in sorted(self.devices.items()) if listed(device_id)
         )
 
     @cached_property
@@ -138,12 +147,13 @@ class ResourceDiff:
             new_devices: Mapping[str, DeviceInfo] = self.new.devices if self.new is not None else {}
             old_holds = _holds(self.old)
             new_holds = _holds(self.new)
+            lost_changed = (self.old.lost_book if self.old else "") != (self.new.lost_book if self.new else "")
             self._devices = (
                 frozenset(new_devices.keys() - old_devices.keys()),
                 frozenset(old_devices.keys() - new_devices.keys()),
                 frozenset(
                     device_id for device_id in old_devices.keys() & new_devices.keys()
-                    if old_devices[device_id] != new_devices[device_id]
+                    if old_devices[device_id] != new_devices[device_id] or lost_changed
                     or any((device_id in old) != (device_id in new) for old, new in zip(old_holds, new_holds))
                 ),
             )
@@ -165,7 +175,8 @@ class ResourceDiff:
         """Whether anything a reader can see changed: the resource came or went, or a device did."""
         if (self.old is None) != (self.new is None):
             return True
-        if self.old is not None and self.new is not None and self.old.road != self.new.road:
+        if self.old is not None and self.new is not None and (
+                self.old.road != self.new.road or self.old.lost_book != self.new.lost_book):
             return True
         return bool(self.added or self.removed or self.changed)
 
@@ -208,18 +219,21 @@ class TreeDiff:
 
 @dataclass(frozen=True)
 class DeviceTree:
-    """A version-numbered snapshot of every resource pool."""
+    """A version-numbered snapshot of every resource pool. ``arrival`` is when the oldest event
+    it answers reached the event loop (monotonic seconds; ``None``: it answers none): the streams
+    that send it measure their reaction time from there."""
 
     version: int
     pools: Mapping[str, ResourcePool]
+    arrival: float | None = field(default=None, compare=False)
 
     @classmethod
     def empty(cls) -> DeviceTree:
         return cls(version=0, pools=MappingProxyType({}))
 
     @classmethod
-    def build(cls, version: int, pools: Iterable[ResourcePool]) -> DeviceTree:
-        return cls(version=version, pools=MappingProxyType({p.resource: p for p in pools}))
+    def build(cls, version: int, pools: Iterable[ResourcePool], arrival: float | None = None) -> DeviceTree:
+        return cls(version=version, pools=MappingProxyType({p.resource: p for p in pools}), arrival=arrival)
 
     def diff(self, older: DeviceTree) -> TreeDiff:
         """What changed from ``older`` to this tree."""

@@ -26,7 +26,8 @@ import trio
 from trio_asyncio import aio_as_trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
-from daemon.core import AnyHandler, Hooks, Notifier, ResourcePool
+from daemon.core import AnyHandler, DeviceTree, Hooks, Notifier
+from daemon.holdings import HolderLookup
 from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
@@ -35,7 +36,7 @@ from daemon.supervise import Backoff
 from ._registration import register_with_kubelet, start_grpc_server, watcher_registration
 from ._servicer import DevicePluginServicer
 
-log = logging.getLogger("devplugd.endpoint")
+log = logging.getLogger("devplugd.deviceplugin")
 
 STOP_GRACE = 0.2
 
@@ -88,8 +89,10 @@ class ResourceEndpoint:
         mode: str,
         on_change: Callable[[], None] = lambda: None,
         metrics: Metrics | None = None,
+        holders: HolderLookup | None = None,
     ) -> None:
         self._on_change = on_change
+        self._holders = holders
         self._metrics = metrics or Metrics()
         self.resource = resource
         self.handler_name = handler_name
@@ -113,10 +116,10 @@ class ResourceEndpoint:
         directory = self._settings.device_plugin_dir
         return directory / socket_file_name(self.resource, f"{self._start_token}.{self._generation}", directory)
 
-    def offer(self, pool: ResourcePool | None) -> None:
-        """The resource's kubelet-visible list changed: tell the ListAndWatch streams."""
+    def offer(self, tree: DeviceTree) -> None:
+        """The resource's kubelet-visible list changed in ``tree``: tell the ListAndWatch streams."""
         if self._servicer is not None:
-            self._servicer.offer(pool)
+            self._servicer.offer(tree)
 
     def kubelet_started(self) -> None:
         self.kick.kubelet_started = True
@@ -153,7 +156,8 @@ class ResourceEndpoint:
             socket_path = self._next_socket_path()
             self.kick.clear()
             servicer = DevicePluginServicer(
-                self.resource, self._hooks, self._notifier, self._settings.cdi_in_allocate, self._metrics
+                self.resource, self._hooks, self._notifier, self._settings.cdi_in_allocate, self._metrics,
+                self._holders,
             )
             registration = (
                 watcher_registration(self.resource, self._registration_status)

@@ -27,6 +27,7 @@ from daemon.core import (
     PluginSocketRemoved,
     TreeDiff,
 )
+from daemon.holdings import HolderLookup
 from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.sockets import remove_stale_sockets
@@ -34,7 +35,7 @@ from daemon.supervise import Backoff, keep_running
 
 from ._endpoint import ResourceEndpoint
 
-log = logging.getLogger("devplugd.plugins")
+log = logging.getLogger("devplugd.deviceplugin")
 
 
 class Endpoints:
@@ -45,8 +46,10 @@ class Endpoints:
         handlers: Mapping[str, AnyHandler],
         nursery: trio.Nursery,
         metrics: Metrics | None = None,
+        holders: HolderLookup | None = None,
     ) -> None:
         self._settings = settings
+        self._holders = holders
         self._metrics = metrics or Metrics()
         self._notifier = notifier
         self._handlers = handlers
@@ -96,7 +99,7 @@ class Endpoints:
             # only what an endpoint serves: a DRA pool of 4096 devices costs two sorted listings
             current = self._endpoints.get(resource)
             if current is not None and resource_diff.listing_changed:
-                current[0].offer(tree.pools.get(resource))
+                current[0].offer(tree)
 
     def _sync(self, tree: DeviceTree, diff: TreeDiff) -> None:
         for resource, pool in tree.pools.items():
@@ -106,7 +109,7 @@ class Endpoints:
             if current is not None and current[0].handler_name != pool.handler:
                 log.info("%s moved to handler %s: serving it again", resource, pool.handler,
                          extra={"RESOURCE": resource})
-                current[0].offer(None)
+                current[0].offer(tree)  # its streams end with an empty list
                 current[1].cancel()
                 del self._endpoints[resource]
             if resource in self._endpoints:
@@ -117,7 +120,7 @@ class Endpoints:
                 continue
             endpoint = ResourceEndpoint(
                 resource, pool.handler, self._handlers[pool.handler], self._notifier, self._settings, self.mode,
-                self._endpoint_changed, self._metrics,
+                self._endpoint_changed, self._metrics, self._holders,
             )
             scope = trio.CancelScope()
             self._endpoints[resource] = (endpoint, scope)
@@ -127,7 +130,7 @@ class Endpoints:
             moved = tree.pools.get(resource)
             log.info("withdrawing %s%s", resource, f" (now served through {moved.road})" if moved is not None else "",
                      extra={"RESOURCE": resource})
-            endpoint.offer(None)
+            endpoint.offer(tree)  # its streams end with an empty list
             scope.cancel()
             self._endpoint_changed()
 

@@ -8,10 +8,9 @@ one-slot mailbox each (the newest list wins, never a backlog), fed by the resour
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 
 import grpc
 
@@ -19,19 +18,23 @@ from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from daemon.cdi import with_cdi_names
 from daemon.core import (
+    DEVICE_PLUGIN_ROAD,
     HEALTHY,
     AllocationError,
     ContainerAllocation,
+    DeviceTree,
     HandlerFailed,
     Hooks,
     Notifier,
     ResourcePool,
     allocate_container,
 )
-from daemon.metrics import Metrics
+from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
+from daemon.holdings import KUBELET_ASKS, UNHEALTHY, UNKNOWN, VANISHED, HolderLookup, refusal
+from daemon.metrics import LISTANDWATCH, Metrics
 from daemon.sockets import refuse
 
-log = logging.getLogger("devplugd.server")
+log = logging.getLogger("devplugd.deviceplugin")
 
 MAX_IDS_NAMED = 5
 # A stream sends a change at once when it has been quiet for COALESCE_QUIET. Changes that come
@@ -39,104 +42,33 @@ MAX_IDS_NAMED = 5
 # than COALESCE_MAX_DELAY, then the newest list goes: 256 VFs created one by one over half a
 # second become a handful of lists, and the final one follows the last change within
 # COALESCE_QUIET. Timers run only while a change is waiting, never while idle. A list in which a
-# device became Unhealthy is never held nor conflated away (see StreamMailbox).
+# device became Unhealthy is never held nor conflated away (see daemon.core._mailbox).
 COALESCE_QUIET = 0.025
 COALESCE_MAX_DELAY = 0.25
 
 
-class _StreamClosed(Exception):
-    pass
+def served_pool(tree: DeviceTree, resource: str, handler: str) -> ResourcePool | None:
+    """The pool the kubelet is served for ``resource`` in ``tree``: none once it is gone, moved to
+    another road or to another handler (its endpoint then says so with an empty list)."""
+    pool = tree.pools.get(resource)
+    if pool is None or pool.road != DEVICE_PLUGIN_ROAD or pool.handler != handler:
+        return None
+    return pool
 
 
-# Lists a stream holds for the kubelet at most: only lists in which a device became Unhealthy
-# pile up (each is kept until sent); a stream this far behind has a kubelet that is not reading.
-MAX_PENDING = 64
+def listing_scope(resource: str, handler: str) -> HealthScope:
+    """What a ListAndWatch stream follows: the devices of its resource's list."""
+    def unhealthy(tree: DeviceTree) -> frozenset[Hashable]:
+        pool = served_pool(tree, resource, handler)
+        if pool is None or pool.healthy_count == len(pool.devices):  # the common case, cached: O(1)
+            return frozenset()
+        return frozenset(device_id for device_id, health, _ in pool.listing if health != HEALTHY)
 
+    def listed(tree: DeviceTree, device_id: Hashable) -> bool:
+        pool = served_pool(tree, resource, handler)
+        return pool is not None and pool.listed(device_id)
 
-def _unhealthy(pool: ResourcePool | None) -> frozenset[str]:
-    if pool is None or pool.healthy_count == len(pool.devices):  # the common case, cached: O(1)
-        return frozenset()
-    return frozenset(device_id for device_id, health, _ in pool.listing if health != HEALTHY)
-
-
-class StreamMailbox:
-    """The notifier's subscriber for one ListAndWatch stream.
-
-    Pools wait in order, and the newest replaces a waiting one (conflation), except a pool in
-    which a listed device became Unhealthy: that one is *urgent*. It is sent at once, without
-    the coalescing delay, and nothing replaces it but a newer urgent pool whose Unhealthy devices
-    include all of its own (so nothing Unhealthy is hidden). A PCIe recovery that ends 0.3 ms
-    after it began reaches the kubelet as two lists, the Unhealthy one first.
-
-    Each waiting pool carries when the oldest event it answers reached the event loop (a pool
-    that replaces others takes the oldest of theirs): ``taken_arrival`` is that of the pool
-    ``next_pool`` returned last, for the reaction-time histogram."""
-
-    def __init__(self, pool: ResourcePool | None = None) -> None:
-        self._wakeup = asyncio.Event()
-        # (pool, unhealthy if urgent, event arrival)
-        self._pending: list[tuple[ResourcePool | None, frozenset[str] | None, float | None]] = []
-        self._last_offered = pool  # what the next pool is compared with
-        self._closed = False
-        self._offered_at = 0.0
-        self.taken_arrival: float | None = None
-
-    def offer(self, pool: ResourcePool | None, arrival: float | None = None) -> None:
-        self._offered_at = time.monotonic()
-        previous, self._last_offered = self._last_offered, pool
-        unhealthy = _unhealthy(pool)
-        was_healthy = {i for i, health, _ in previous.listing if health == HEALTHY} if unhealthy and previous else ()
-        urgent = unhealthy if not unhealthy.isdisjoint(was_healthy) else None
-        pending = self._pending
-        while pending:
-            kept = pending[-1][1]
-            if kept is not None and (urgent is None or not kept <= urgent):
-                break
-            # conflated: a plain pool, or an urgent one whose Unhealthy devices are still so
-            replaced = pending.pop()[2]
-            if replaced is not None and (arrival is None or replaced < arrival):
-                arrival = replaced
-        pending.append((pool, urgent, arrival))
-        if len(pending) > MAX_PENDING:
-            del pending[:-MAX_PENDING]
-        self._wakeup.set()
-
-    def close(self) -> None:
-        self._closed = True
-        self._wakeup.set()
-
-    async def _wait(self, timeout: float | None = None) -> None:
-        self._wakeup.clear()
-        if timeout is None:
-            await self._wakeup.wait()
-            return
-        try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
-        except TimeoutError:
-            pass
-
-    async def next_pool(self, last_sent: float) -> ResourcePool | None:
-        """The next pool to send: an urgent one at once; otherwise the newest offered, at once if
-        the stream has been quiet since ``last_sent`` (monotonic seconds), else once the burst
-        is over (see COALESCE_QUIET) or an urgent pool arrives."""
-        while not self._pending:
-            if self._closed:
-                raise _StreamClosed
-            await self._wait()
-        if self._closed:
-            raise _StreamClosed
-        first_pending = time.monotonic()
-        if self._pending[0][1] is None and first_pending - last_sent < COALESCE_QUIET:
-            while self._pending[0][1] is None:
-                deadline = min(self._offered_at + COALESCE_QUIET, first_pending + COALESCE_MAX_DELAY)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                await self._wait(remaining)
-                if self._closed:
-                    raise _StreamClosed
-        pool, _, self.taken_arrival = self._pending.pop(0)
-        return pool
+    return HealthScope(unhealthy, listed)
 
 
 def device_message(device_id: str, health: str, numa_nodes: tuple[int, ...]) -> dp.Device:
@@ -180,8 +112,10 @@ def _name_ids(ids: Sequence[str]) -> str:
     return shown + (f" and {len(ids) - MAX_IDS_NAMED} more" if len(ids) > MAX_IDS_NAMED else "")
 
 
-def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequence[str]) -> str | None:
-    """Why a container request cannot be allocated, naming the IDs; ``None`` if it can."""
+def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequence[str],
+                    holders: HolderLookup | None = None) -> str | None:
+    """Why a container request cannot be allocated, naming the IDs and their holders; ``None``
+    if it can. ``holders`` tells who holds a device now (see ``daemon.holdings.refusal``)."""
     if not device_ids:
         return "container request has no devices_ids"
     if pool is None:
@@ -191,13 +125,18 @@ def request_problem(pool: ResourcePool | None, resource: str, device_ids: Sequen
     duplicates = [i for i in device_ids if i in seen or seen.add(i)]  # type: ignore[func-returns-value]
     if duplicates:
         return f"device IDs requested more than once for {resource}: {_name_ids(duplicates)}"
-    unknown = [i for i in device_ids if i not in pool.devices or i in pool.leased]
+    refused = [(i, why) for i in device_ids if (why := refusal(pool, i, KUBELET_ASKS, holders)) is not None]
+    if not refused:
+        return None
+    unknown = [i for i, why in refused if why.reason == UNKNOWN]
     if unknown:
         return f"unknown device IDs for {resource}: {_name_ids(unknown)}"
-    unhealthy = [i for i in device_ids if pool.devices[i].health != HEALTHY]
+    unhealthy = [i for i, why in refused if why.reason in (UNHEALTHY, VANISHED)]
     if unhealthy:
         return f"unhealthy device IDs for {resource}: {_name_ids(unhealthy)}"
-    return None
+    shown = "; ".join(f"{i!r} {why.predicate}" for i, why in refused[:MAX_IDS_NAMED])
+    more = f"; and {len(refused) - MAX_IDS_NAMED} more" if len(refused) > MAX_IDS_NAMED else ""
+    return f"device IDs of {resource} that cannot be allocated: {shown}{more}"
 
 
 def container_response(allocation: ContainerAllocation) -> dp.ContainerAllocateResponse:
@@ -221,28 +160,29 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     streams hear of changes through ``offer``, which the resource's endpoint calls."""
 
     def __init__(self, resource: str, hooks: Hooks, notifier: Notifier, with_cdi: bool = False,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, holders: HolderLookup | None = None) -> None:
         self._with_cdi = with_cdi
         self._metrics = metrics or Metrics()
         self.resource = resource
         self._hooks = hooks
         self._notifier = notifier
-        self._streams: set[StreamMailbox] = set()
+        self._holders = holders
+        self._scope = listing_scope(resource, hooks.name)
+        self._streams: set[TreeStream] = set()
         self._messages = ListingMessages()
 
-    def _pool(self) -> ResourcePool | None:
-        return self._notifier.tree.pools.get(self.resource)
+    def _pool(self, tree: DeviceTree | None = None) -> ResourcePool | None:
+        return served_pool(tree or self._notifier.tree, self.resource, self._hooks.name)
 
-    def offer(self, pool: ResourcePool | None) -> None:
-        """The resource's list changed: every open stream gets the newest pool."""
-        arrival = self._metrics.event_arrival
-        for mailbox in self._streams:
-            mailbox.offer(pool, arrival)
+    def offer(self, tree: DeviceTree) -> None:
+        """The resource's list changed in ``tree``: every open stream gets it."""
+        for stream in self._streams:
+            stream.offer(tree)
 
     def close_streams(self) -> None:
         """End every open ListAndWatch stream (before the server stops or we register again)."""
-        for mailbox in tuple(self._streams):
-            mailbox.close()
+        for stream in tuple(self._streams):
+            stream.close()
 
     def options(self) -> dp.DevicePluginOptions:
         pool = self._pool()
@@ -266,26 +206,31 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     async def ListAndWatch(
         self, request: dp.Empty, context: grpc.aio.ServicerContext[dp.Empty, dp.ListAndWatchResponse]
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
-        pool = self._pool()
-        mailbox = StreamMailbox(pool)
-        self._streams.add(mailbox)
+        tree = self._notifier.tree
+        pool = self._pool(tree)
+        stream = TreeStream(self._scope, tree)
+        self._streams.add(stream)
+        self._metrics.tree_streams.labels(LISTANDWATCH).inc()
         try:
             last_listing = pool.listing if pool is not None else ()
             yield self._messages.response(pool)
             self._metrics.listandwatch_sent(self.resource, None)
             last_sent = time.monotonic()
             while True:
-                pool = await mailbox.next_pool(last_sent)
+                newer = await stream.next(last_sent=last_sent, quiet=COALESCE_QUIET, max_delay=COALESCE_MAX_DELAY)
+                assert newer is not None  # no timeout given
+                pool = self._pool(newer)
                 listing = pool.listing if pool is not None else ()
                 if listing != last_listing:
                     last_listing = listing
                     yield self._messages.response(pool)  # back here once grpc has written it
-                    self._metrics.listandwatch_sent(self.resource, mailbox.taken_arrival)
+                    self._metrics.listandwatch_sent(self.resource, stream.taken_arrival)
                     last_sent = time.monotonic()
-        except _StreamClosed:
+        except MailboxClosed:
             return
         finally:
-            self._streams.discard(mailbox)
+            self._streams.discard(stream)
+            self._metrics.tree_streams.labels(LISTANDWATCH).dec()
 
     async def Allocate(
         self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[dp.AllocateRequest, dp.AllocateResponse]
@@ -305,7 +250,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         responses = []
         for index, container_request in enumerate(request.container_requests):
             device_ids = list(container_request.devices_ids)
-            problem = request_problem(pool, self.resource, device_ids)
+            problem = request_problem(pool, self.resource, device_ids, self._holders)
             if problem is not None or pool is None:
                 log.warning("refused Allocate: container request %d: %s", index, problem,
                             extra={"RESOURCE": self.resource})

@@ -1,6 +1,7 @@
 """devplugd as a DRA driver: the pools whose config says ``allocationApi: dra``, published as
 ResourceSlices and prepared for ResourceClaims by the kubelet's DRA manager."""
 
+from ._claims import ClaimBook
 from ._deviceclasses import DeviceClassError, device_class_name, device_classes, rbac_objects, selector_expression
 from ._driver import DraDriver
 from ._health import HealthServicer
@@ -10,6 +11,7 @@ from ._sockets import SUPPORTED_VERSIONS, DraSockets, V1beta1Adapter
 
 __all__ = [
     "SUPPORTED_VERSIONS",
+    "ClaimBook",
     "DeviceClassError",
     "DraDriver",
     "DraSockets",

@@ -7,38 +7,29 @@ Unprepare after a restart knows what to undo and a spec that went missing (``/va
 tmpfs: a reboot empties it while the kubelet still counts the claim prepared) is written again
 byte for byte, without asking the handler anew.
 
-The checkpoint (``<state-dir>/dra-claims.json``) is written atomically before the kubelet hears
-of a change: a temporary file, fsync, rename, fsync of the directory, in a worker thread, one
-write at a time. What the book reports errs on the side of "held": a claim being added holds its
-devices from the moment ``add`` is called, and a claim being removed holds them until the file no
-longer has it.
+The checkpoint (``<state-dir>/dra-claims.json``) is a ``DurableBook`` (``daemon.holdings``):
+written atomically before the kubelet hears of a change, one write at a time; a claim being added
+holds its devices from the moment ``add`` is called, and a claim being removed holds them until
+the file no longer has it.
 
 A checkpoint that cannot be read is not taken as empty: that could hand a device to a second
-claim while the pod of the first still runs. It is moved aside, and the book says it is
-``lost``; the preparer then refuses new claims until every claim that may have been prepared
-before is unprepared (see ``ClaimPreparer``).
+claim while the pod of the first still runs. It is moved aside, and the book is ``lost``: it
+holds every device of the DRA pools, and the preparer refuses new claims, until every claim that
+may have been prepared before is unprepared (see ``ClaimPreparer``) or an operator runs
+``devplugd clear-lost claims``.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import trio
-
-from daemon.files import write_atomically
-
-log = logging.getLogger("devplugd.dra")
+from daemon.holdings import CLAIM, DurableBook, Holder, LostBook
 
 CLAIMS_FILE = "dra-claims.json"
-FORMAT_VERSION = 1
 
 
 # -- a claim as the kubelet names it and as the API server allocated it --------------------------
@@ -245,114 +236,69 @@ def _boolean(item: Mapping[str, Any], key: str) -> bool:
 
 
 class ClaimBook:
-    """The prepared claims, and their file. Changed only through ``add`` and ``remove``, trio
-    coroutines that return once the file says so (see the module docstring)."""
+    """The prepared claims, and their file (a ``DurableBook``, see the module docstring).
+    Changed only through ``add`` and ``remove``, trio coroutines that return once the file says so."""
 
     def __init__(self, state_dir: Path) -> None:
-        self._path = state_dir / CLAIMS_FILE
-        self._on_disk: dict[str, PreparedClaim] = {}
-        self._adding: dict[str, PreparedClaim] = {}
-        self._write_lock = trio.Lock()
-        self._version = 0
-        self._lost: str | None = None
+        # keys as written, not sorted: a claim's CDI spec comes back byte for byte
+        self._book: DurableBook[PreparedClaim] = DurableBook(
+            state_dir / CLAIMS_FILE, "claim", "claims", key=lambda claim: claim.uid, to_json=PreparedClaim.to_json,
+            from_json=PreparedClaim.from_json)
+        self._holders: tuple[int, Mapping[tuple[str, str], Holder]] | None = None
+
+    @property
+    def book(self) -> DurableBook[PreparedClaim]:
+        return self._book
 
     @property
     def path(self) -> Path:
-        return self._path
+        return self._book.path
 
     @property
     def version(self) -> int:
         """Counts the changes written since the book was made (one per ``add`` and ``remove``)."""
-        return self._version
+        return self._book.version
 
     @property
     def lost(self) -> str | None:
         """Why the claims prepared before this start are unknown (the checkpoint could not be
         read), or ``None``."""
-        return self._lost
+        return self._book.lost
+
+    @property
+    def lost_book(self) -> LostBook | None:
+        return self._book.lost_book
 
     @property
     def claims(self) -> Mapping[str, PreparedClaim]:
         """By UID: those on disk (removals in flight included) and those being added."""
-        return MappingProxyType({**self._on_disk, **self._adding})
+        return self._book.records
 
     def prepared(self, uid: str) -> PreparedClaim | None:
         """The claim as written to the checkpoint, or ``None``."""
-        return self._on_disk.get(uid)
+        return self._book.on_disk.get(uid)
 
-    def holders(self) -> Mapping[tuple[str, str], str]:
-        """(resource, device ID) -> ``claim <namespace>/<name>``, for exclusive allocations
-        only: an admin-access allocation does not take the device from anyone."""
-        return {
-            (device.resource, device.device_id): claim.label
-            for claim in self.claims.values()
-            for device in claim.devices
-            if not device.admin_access
-        }
+    def holders(self) -> Mapping[tuple[str, str], Holder]:
+        """(resource, device ID) -> the claim it is prepared for, for exclusive allocations only:
+        an admin-access allocation does not take the device from anyone."""
+        changes = self._book.changes
+        if self._holders is None or self._holders[0] != changes:
+            self._holders = (changes, MappingProxyType({
+                (device.resource, device.device_id): Holder(CLAIM, f"{claim.namespace}/{claim.name}", claim.uid)
+                for claim in self._book.records.values() for device in claim.devices if not device.admin_access
+            }))
+        return self._holders[1]
 
     def load(self) -> None:
-        """Read the checkpoint (a missing one: no claims). One that cannot be read or parsed is
+        """Read the checkpoint (a missing one: no claims); one that cannot be read or parsed is
         moved aside, loudly, and the book is ``lost``."""
-        try:
-            text = self._path.read_text()
-        except FileNotFoundError:
-            return
-        except (OSError, UnicodeDecodeError) as error:
-            self._set_lost(f"cannot be read ({error})")
-            return
-        try:
-            document = json.loads(text)
-            if not isinstance(document, dict) or not isinstance(document.get("claims"), list):
-                raise ValueError("no 'claims' list")
-            if document.get("version") != FORMAT_VERSION:
-                raise ValueError(f"format version {document.get('version')!r}, expected {FORMAT_VERSION}")
-            claims = [PreparedClaim.from_json(item) for item in document["claims"]]
-        except ValueError as error:
-            self._set_lost(f"is corrupt ({error})")
-            return
-        self._on_disk = {claim.uid: claim for claim in claims}
-        log.info("loaded %d prepared DRA claims from %s", len(self._on_disk), self._path)
-
-    def _set_lost(self, reason: str) -> None:
-        aside = self._path.with_name(f"{CLAIMS_FILE}.corrupt-{int(time.time())}")
-        try:
-            os.replace(self._path, aside)
-        except OSError as error:
-            self._lost = f"the DRA claim checkpoint {self._path} {reason} and could not be moved aside ({error})"
-        else:
-            self._lost = f"the DRA claim checkpoint {self._path} {reason}; moved aside to {aside}"
-        log.error("%s: the claims prepared before this start are unknown", self._lost)
-
-    def _write(self, claims: Mapping[str, PreparedClaim]) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        document = {"version": FORMAT_VERSION, "claims": [claim.to_json() for claim in claims.values()]}
-        # keys in the order written (not sorted): a claim's CDI spec comes back byte for byte
-        write_atomically(self._path, json.dumps(document, indent=1).encode())
-
-    async def _save(self, claims: dict[str, PreparedClaim]) -> None:
-        if self._lost is not None and self._path.exists():
-            # the unreadable file is still there: writing over it would lose what it holds
-            raise OSError(f"not overwriting {self._path}: {self._lost}")
-        await trio.to_thread.run_sync(self._write, claims)
-        self._on_disk = claims
-        self._version += 1
+        self._book.load()
 
     async def add(self, claim: PreparedClaim) -> None:
         """Write ``claim`` to the file; it holds its devices from now on, or (when the write
         fails, OSError) nothing."""
-        self._adding[claim.uid] = claim
-        try:
-            async with self._write_lock:
-                await self._save({**self._on_disk, claim.uid: claim})
-        finally:
-            self._adding.pop(claim.uid, None)
+        await self._book.add(claim)
 
     async def remove(self, uid: str) -> PreparedClaim | None:
         """Take the claim out of the file (``None``: it was not in it)."""
-        async with self._write_lock:
-            if uid not in self._on_disk:
-                return None
-            updated = dict(self._on_disk)
-            removed = updated.pop(uid)
-            await self._save(updated)
-        return removed
+        return await self._book.remove(uid)

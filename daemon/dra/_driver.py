@@ -6,14 +6,16 @@ on disk from an earlier run (the kubelet must be able to unprepare them): only t
 Kubernetes client imported and the API server dialled, so a host with no DRA pool pays nothing.
 Started, it runs until the daemon stops:
 
-* the ``SlicePublisher`` (``_publisher.py``): the DRA pools as ResourceSlices, from each tree;
+* ``DraPools`` (``_pools.py``): each tree's DRA pools as the slices they should publish, and
+  which device-plugin pools are withheld while their slices go (told to ``Holdings``);
+* the ``SlicePublisher`` (``_publisher.py``): the reconciler that makes the API server hold
+  those slices, against its view of our slices there (``_view.py``);
 * the kubelet plugin (``_sockets.py``): ``dra.sock`` with DRAPlugin v1 and v1beta1 (prepare and
   unprepare through ``ClaimPreparer``, ``_prepare.py``) and DRAResourceHealth (``_health.py``),
   and the registration socket in ``plugins_registry``.
 
-The event loop asks it two things for every tree: which devices prepared claims hold
-(``holders``) and which pools still have slices (``withheld``); a change to either is sent on
-the bus as ``ClaimsChanged``.
+Who holds what (the claim book, the withheld pools) is told to ``daemon.holdings``; a change is
+posted to the bus as ``ClaimsChanged``.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from typing import Any
 import trio
 
 from daemon.core import DRA_ROAD, WITHHELD_ROAD, AnyHandler, ClaimsChanged, DeviceTree, Event, Hooks, Notifier
+from daemon.holdings import Holdings
+from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.supervise import Backoff, keep_running
 
 from ._claims import ClaimBook
 from ._health import HealthServicer
 from ._kube import ApiLink, KubeError, NotFound
+from ._pools import DraPools
 from ._prepare import ClaimNotFound, ClaimPreparer
 from ._publisher import SlicePublisher
 from ._servicer import DraPluginServicer
@@ -47,37 +52,40 @@ class DraDriver:
         settings: Settings,
         handlers: Mapping[str, AnyHandler],
         notifier: Notifier,
-        send_event: Callable[[Event], None],
+        claims: ClaimBook,
+        holdings: Holdings,
+        post: Callable[[Event], None],
         nursery: trio.Nursery,
         follow_socket_dir: Callable[[Path], None] = lambda directory: None,
-        lease_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
+        metrics: Metrics | None = None,
     ) -> None:
         self._settings = settings
         self._nursery = nursery
         self._follow_socket_dir = follow_socket_dir
+        self._holdings = holdings
+        self._post = post
+        metrics = metrics or Metrics()
         hooks = {name: Hooks.of(handler) for name, handler in handlers.items()}
-
-        def changed(reason: str) -> None:
-            send_event(ClaimsChanged(reason))
-
-        self.claims = ClaimBook(settings.state_dir)
-        self.claims.load()
+        self.claims = claims
         self.link = ApiLink(settings)
-        self.publisher = SlicePublisher(settings, hooks, self.link, on_change=changed)
-        self.preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, self.claims,
-                                      lambda: notifier.tree, hooks, self._get_claim, changed,
-                                      lease_holders=lease_holders)
-        self.health = HealthServicer(notifier, settings.node_name)
+        self.publisher = SlicePublisher(settings, self.link, metrics, on_server=self._on_server)
+        self.pools = DraPools(settings.dra_driver, settings.node_name, hooks, self.publisher, self._withheld)
+        self.preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, claims,
+                                      lambda: notifier.tree, hooks, self._get_claim, self._changed,
+                                      holders=holdings.holder, metrics=metrics)
+        self.health = HealthServicer(notifier, settings.node_name, metrics=metrics)
         self.sockets = DraSockets(settings, DraPluginServicer(self.preparer), self.health)
         self.started = False
 
-    # -- what the event loop and the host API ask ------------------------------------------------
-    def holders(self) -> Mapping[tuple[str, str], str]:
-        """(resource, device ID) -> ``<namespace>/<name>`` of the claim it is prepared for."""
-        return {key: holder.removeprefix("claim ") for key, holder in self.claims.holders().items()}
+    def _changed(self, reason: str) -> None:
+        self._post(ClaimsChanged(reason))
 
-    def withheld(self) -> frozenset[str]:
-        return self.publisher.withheld()
+    def _on_server(self, pools: frozenset[str]) -> None:
+        self.pools.on_server(pools)
+
+    def _withheld(self, resources: frozenset[str], reason: str) -> None:
+        if self._holdings.set_withheld(resources):
+            self._changed(reason)
 
     def socket_removed(self, path: str) -> None:
         if self.started:
@@ -94,12 +102,12 @@ class DraDriver:
 
     # -- the subscriber --------------------------------------------------------------------------
     def offer(self, tree: DeviceTree) -> None:
-        if not self.started and (self.claims.claims or any(
+        if not self.started and (self.claims.claims or self.claims.lost or any(
                 pool.road in (DRA_ROAD, WITHHELD_ROAD) for pool in tree.pools.values())):
             self.started = True
             self._nursery.start_soon(self._run, name="the DRA driver")
         if self.started:
-            self.publisher.offer(tree)
+            self.pools.offer(tree)
 
     async def _get_claim(self, namespace: str, name: str) -> Mapping[str, Any]:
         kube = await self.link.get()

@@ -16,9 +16,11 @@ unchanged repeat as no change, so pods are not touched. The timeout we send is t
 a daemon that stopped sending is Unknown after it on every kubelet alike, and a daemon that
 stopped altogether ends the stream, which clears the driver's health in the kubelet at once.
 
-Each stream is a subscriber of the notifier as the host API's Watch streams are: ``offer(tree)``
-puts the tree in a one-slot mailbox and returns at once, so a slow stream is conflated to the
-newest tree and never delays the event loop; it is unsubscribed when the stream ends.
+Each stream is a subscriber of the notifier as the host API's Watch streams are, through a
+``TreeStream``: ``offer(tree)`` returns at once, a slow stream is conflated to the newest tree
+and never delays the event loop, and a tree in which a DRA device became Unhealthy is never
+conflated away (a PCIe recovery of 0.3 ms is an Unhealthy report, then a Healthy one); it is
+unsubscribed when the stream ends.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 
 import grpc
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
-from daemon.core import DRA_ROAD, HEALTHY, DeviceTree, LatestValue, Notifier
+from daemon.core import DRA_ROAD, HEALTHY, DeviceTree, Notifier
+from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
+from daemon.metrics import DRA_HEALTH, Metrics
 
 from ._names import device_name, pool_name
 
@@ -72,49 +76,32 @@ def _dra_pools_changed(old: DeviceTree, new: DeviceTree) -> bool:
     )
 
 
-class _HealthStream:
-    """The notifier's subscriber for one NodeWatchResources stream."""
+def _unhealthy(tree: DeviceTree) -> frozenset[Hashable]:
+    return frozenset((resource, device_id) for resource, pool in tree.pools.items()
+                     if pool.road == DRA_ROAD and pool.healthy_count != len(pool.devices)
+                     for device_id, info in pool.devices.items() if info.health != HEALTHY)
 
-    def __init__(self) -> None:
-        self._wakeup = asyncio.Event()
-        self._latest: LatestValue[DeviceTree] = LatestValue(self._wakeup.set)
-        self.closed = False
 
-    def offer(self, tree: DeviceTree) -> None:
-        self._latest.put(tree)
+def _has(tree: DeviceTree, key: Hashable) -> bool:
+    assert isinstance(key, tuple)
+    resource, device_id = key
+    pool = tree.pools.get(resource)
+    return pool is not None and pool.road == DRA_ROAD and device_id in pool.devices
 
-    def close(self) -> None:
-        self.closed = True
-        self._wakeup.set()
 
-    async def next_tree(self, timeout: float) -> DeviceTree | None:
-        """The newest tree not taken yet, or ``None`` when ``timeout`` passes (or the stream is
-        closed) first."""
-        full, tree = self._latest.take()
-        if full:
-            return tree
-        self._wakeup.clear()
-        try:
-            async with asyncio.timeout(max(timeout, 0.0)):
-                await self._wakeup.wait()
-        except TimeoutError:
-            return None
-        full, tree = self._latest.take()
-        return tree if full else None
+HEALTH_SCOPE = HealthScope(_unhealthy, _has)  # a health stream follows the devices of the DRA pools
 
 
 class HealthServicer(health_grpc.DRAResourceHealthServicer):
     """``v1alpha1.DRAResourceHealth`` for the DRA pools of ``notifier``'s trees on ``node_name``."""
 
-    def __init__(self, notifier: Notifier, node_name: str, resend_interval: float = RESEND_INTERVAL) -> None:
+    def __init__(self, notifier: Notifier, node_name: str, resend_interval: float = RESEND_INTERVAL,
+                 metrics: Metrics | None = None) -> None:
         self._notifier = notifier
         self._node_name = node_name
         self._resend_interval = resend_interval
-        self._streams: set[_HealthStream] = set()
-
-    @property
-    def stream_count(self) -> int:
-        return len(self._streams)
+        self._metrics = metrics or Metrics()
+        self._streams: set[TreeStream] = set()
 
     def close_streams(self) -> None:
         """End every open stream (before the server that carries them stops)."""
@@ -140,19 +127,19 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
         request: health.NodeWatchResourcesRequest,
         context: grpc.aio.ServicerContext[health.NodeWatchResourcesRequest, health.NodeWatchResourcesResponse],
     ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
-        stream = _HealthStream()
+        sent_tree = self._notifier.tree
+        stream = TreeStream(HEALTH_SCOPE, sent_tree)
         self._streams.add(stream)
-        sent_tree = self._notifier.subscribe(stream)
+        self._notifier.subscribe(stream)
+        self._metrics.tree_streams.labels(DRA_HEALTH).inc()
         loop = asyncio.get_running_loop()
         try:
             report = health_report(sent_tree, self._node_name)
             log.info("kubelet watches DRA device health: %d devices", len(report))
             yield self._message(report)
             resend_at = loop.time() + self._resend_interval
-            while not stream.closed:
-                tree = await stream.next_tree(resend_at - loop.time())
-                if stream.closed:
-                    break
+            while True:
+                tree = await stream.next(resend_at - loop.time())
                 if tree is not None:
                     if not _dra_pools_changed(sent_tree, tree):
                         sent_tree = tree
@@ -169,6 +156,9 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
                     continue
                 yield self._message(report)
                 resend_at = loop.time() + self._resend_interval
+        except MailboxClosed:
+            return
         finally:
             self._notifier.unsubscribe(stream)
             self._streams.discard(stream)
+            self._metrics.tree_streams.labels(DRA_HEALTH).dec()

@@ -12,20 +12,17 @@ Prepare, for each claim of a call:
 3. under the lock: the claim must have the UID the kubelet named and be allocated; of its
    ``status.allocation.devices``, the results of other drivers are ignored, an opaque config for
    ours is refused (devplugd takes no claim parameters yet), and every result of ours must name
-   a DRA pool of this node and a device in it that is Healthy, not under a host lease, not held
-   by a pod through the device-plugin API, and not prepared for another claim (unless one of
-   the two allocations is admin access, which takes the device from no one);
+   a DRA pool of this node and a device in it that the one availability rule
+   (``daemon.holdings.refusal``) lets it have: Healthy, not under a host lease, not held by a
+   pod through the device-plugin API, not prepared for another claim (unless one of the two
+   allocations is admin access, which takes the device from no one), not held by a lost book;
 4. for each request and pool, one ``allocate_container`` for the claim's devices of that request
    in that pool (so ``PCIDEVICE_*`` lists them all, as one Allocate for one container would;
    netDevice pools write their device-info files), in a worker thread. Per request, because a
    container gets the devices of its requests only: the claim the scheduler makes for a pod's
    ``resources.limits`` (KEP-5004) has one request per container, and each container must see
    its own VFs in ``PCIDEVICE_*``, never its neighbour's;
-5. the claim's CDI spec, ``devplugd-claim-<claim UID>.json`` in the CDI directory: kind
-   ``<driver>/claim``, one CDI device ``<claim UID>-<device name>`` per device holding its device
-   nodes and its request's env and mounts (the same on every device of the request, so a
-   container that takes any of them has them; a device node no single device accounts for goes
-   with the request's first device);
+5. the claim's CDI spec (``_claimspecs.py``);
 6. the checkpoint (``ClaimBook.add``), then the answer. If 5 or 6 fails, what was done is undone
    (spec removed, side files released) and the claim's answer is the error.
 
@@ -33,14 +30,17 @@ Every claim gets an answer of its own: one claim's failure, whatever it is, neve
 Unprepare removes the spec, the side files (those no other prepared claim shares) and the book
 entry; an unknown claim is already unprepared. The work under the lock is shielded from
 cancellation (a kubelet that gives up mid-way), so a claim is never left half prepared.
+
+With a lost book (its checkpoint could not be read) only the claims whose specs say they were
+prepared before may be prepared (again) until they are all unprepared: nobody knows which devices
+they hold. Then (or when an operator runs ``devplugd clear-lost claims``) the book is found again.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,22 +48,20 @@ from typing import Any
 
 import trio
 
-from daemon.cdi import CLAIM_FILE_PREFIX, cdi_env_name, cdi_kind, cdi_version, claim_spec_file_name, container_edits
 from daemon.core import (
-    DRA_ROAD,
-    HEALTHY,
     AllocationError,
     ContainerAllocation,
-    DeviceSpec,
     DeviceTree,
     HandlerFailed,
     Hooks,
     ResourcePool,
     allocate_container,
 )
-from daemon.files import write_atomically
+from daemon.holdings import Holder, HolderLookup, claim_asks, refusal, road_refusal
+from daemon.metrics import Metrics
 
 from ._claims import AllocationResult, ClaimBook, ClaimRef, ClaimRefused, PreparedClaim, PreparedDevice, driver_results
+from ._claimspecs import Chosen, ClaimSpecs
 from ._names import device_name, pool_name
 
 log = logging.getLogger("devplugd.dra")
@@ -88,12 +86,6 @@ class PrepareResult:
 GetClaim = Callable[[str, str], Awaitable[Mapping[str, Any]]]
 
 
-@dataclass(frozen=True)
-class _Chosen:
-    pool: ResourcePool
-    device: PreparedDevice
-
-
 class ClaimPreparer:
     def __init__(
         self,
@@ -107,29 +99,31 @@ class ClaimPreparer:
         on_change: Callable[[str], None],
         *,
         get_timeout: float = CLAIM_GET_TIMEOUT,
-        lease_holders: Callable[[], Mapping[tuple[str, str], object]] = dict,
+        holders: HolderLookup | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self._driver = driver
         self._node = node_name
-        self._cdi_dir = cdi_dir
+        self._specs = ClaimSpecs(cdi_dir, driver)
         self._claims = claims
         self._tree = tree
         self._hooks = hooks
         self._get_claim = get_claim
         self._on_change = on_change
         self._get_timeout = get_timeout
-        # host leases as the lease book has them now: a lease granted a moment ago is not in the tree yet
-        self._lease_holders = lease_holders
-        self._kind = cdi_kind(f"{driver}/claim")
+        # who holds what now (a lease granted a moment ago is not in the tree yet)
+        self._holders = holders
+        self._metrics = metrics or Metrics()
         self._lock = trio.Lock()
         # with a lost checkpoint: the claims whose specs say they were prepared before (None: not read yet)
         self._unaccounted: set[str] | None = None
 
     def spec_path(self, uid: str) -> Path:
-        return self._cdi_dir / claim_spec_file_name(uid)
+        return self._specs.path(uid)
 
     # -- prepare ---------------------------------------------------------------------------------
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        started = time.perf_counter()
         refs = list({ref.uid: ref for ref in claims}.values())
         wanted = [ref for ref in refs if _UID.fullmatch(ref.uid) and self._claims.prepared(ref.uid) is None]
         fetched: dict[str, Mapping[str, Any] | str] = {}
@@ -141,6 +135,8 @@ class ClaimPreparer:
             with trio.CancelScope(shield=True):
                 for ref in refs:
                     answers[ref.uid] = await self._answer(ref, fetched.get(ref.uid))
+        self._metrics.dra_prepare_duration.observe(time.perf_counter() - started)
+        self._metrics.dra_claim_errors.labels("prepare").inc(sum(1 for a in answers.values() if a.error is not None))
         return answers
 
     async def _fetch(self, ref: ClaimRef, fetched: dict[str, Mapping[str, Any] | str]) -> None:
@@ -158,9 +154,9 @@ class ClaimPreparer:
     async def _answer(self, ref: ClaimRef, fetched: Mapping[str, Any] | str | None) -> PrepareResult:
         try:
             return await self._prepare(ref, fetched)
-        except ClaimRefused as refusal:
-            log.warning("not preparing %s (UID %s): %s", ref.label, ref.uid, refusal, extra={"EVENT": "prepare"})
-            return PrepareResult(error=str(refusal))
+        except ClaimRefused as refusal_:
+            log.warning("not preparing %s (UID %s): %s", ref.label, ref.uid, refusal_, extra={"EVENT": "prepare"})
+            return PrepareResult(error=str(refusal_))
         except Exception as error:
             log.exception("preparing %s (UID %s) failed", ref.label, ref.uid, extra={"EVENT": "prepare"})
             return PrepareResult(error=f"{ref.label}: internal error: {type(error).__name__}: {error}")
@@ -176,9 +172,9 @@ class ClaimPreparer:
             raise ClaimRefused(f"{ref.label} was unprepared while this call waited; ask again")
         if isinstance(fetched, str):
             raise ClaimRefused(fetched)
-        await self._check_accounted(ref)
+        before_loss = await self._check_accounted(ref)
         results = driver_results(fetched, ref, self._driver)
-        chosen = self._choose(self._tree(), ref, results)
+        chosen = self._choose(self._tree(), ref, results, before_loss)
         if not chosen:
             return PrepareResult()
         try:
@@ -194,13 +190,13 @@ class ClaimPreparer:
         self._on_change(f"{ref.label} prepared")
         return PrepareResult(devices=claim.devices)
 
-    async def _record(self, ref: ClaimRef, chosen: Sequence[_Chosen],
-                      allocations: Sequence[tuple[list[_Chosen], ContainerAllocation]]) -> PreparedClaim:
+    async def _record(self, ref: ClaimRef, chosen: Sequence[Chosen],
+                      allocations: Sequence[tuple[list[Chosen], ContainerAllocation]]) -> PreparedClaim:
         """Write the claim's CDI spec, then its checkpoint entry."""
-        spec = self._claim_spec(ref.uid, chosen, allocations)
+        spec = self._specs.document(ref.uid, chosen, allocations)
         claim = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec)
         try:
-            await trio.to_thread.run_sync(self._write_spec, ref.uid, spec)
+            await trio.to_thread.run_sync(self._specs.write, ref.uid, spec)
         except OSError as error:
             raise ClaimRefused(f"{ref.label}: cannot write its CDI spec {self.spec_path(ref.uid)}: {error}") from error
         try:
@@ -209,46 +205,46 @@ class ClaimPreparer:
             raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
         return claim
 
-    async def _check_accounted(self, ref: ClaimRef) -> None:
+    async def _check_accounted(self, ref: ClaimRef) -> bool:
         """With a lost checkpoint, only the claims that were prepared before may be prepared (again)
-        until they are all unprepared: nobody knows which devices they hold."""
+        until they are all unprepared: nobody knows which devices they hold. Whether ``ref`` is
+        one of those."""
         if self._claims.lost is None:
-            return
+            return False
         if self._unaccounted is None:
-            self._unaccounted = await trio.to_thread.run_sync(self._claim_spec_uids) - set(self._claims.claims)
-        if self._unaccounted and ref.uid not in self._unaccounted:
-            shown = ", ".join(sorted(self._unaccounted)[:5]) + (", ..." if len(self._unaccounted) > 5 else "")
-            raise ClaimRefused(f"{ref.label}: not prepared: {self._claims.lost}; the devices of the "
-                               f"{len(self._unaccounted)} claims prepared before are unknown, so no other claim is "
-                               f"prepared until they are unprepared ({shown})")
+            self._unaccounted = await trio.to_thread.run_sync(self._specs.uids) - set(self._claims.claims)
+            self._found_again_if_accounted()
+            if self._claims.lost is None:
+                return False
+        if ref.uid in self._unaccounted:
+            return True
+        shown = ", ".join(sorted(self._unaccounted)[:5]) + (", ..." if len(self._unaccounted) > 5 else "")
+        raise ClaimRefused(f"{ref.label}: not prepared: {self._claims.lost}; the devices of the "
+                           f"{len(self._unaccounted)} claims prepared before are unknown, so no other claim is "
+                           f"prepared until they are unprepared ({shown})")
 
-    def _claim_spec_uids(self) -> set[str]:
-        """The UIDs of the claim specs in the CDI directory: every claim prepared and not yet
-        unprepared has one (the spec is written before the checkpoint and removed before it)."""
-        try:
-            names = os.listdir(self._cdi_dir)
-        except FileNotFoundError:
-            return set()
-        return {name[len(CLAIM_FILE_PREFIX):-len(".json")] for name in names
-                if name.startswith(CLAIM_FILE_PREFIX) and name.endswith(".json")}
+    def _found_again_if_accounted(self) -> None:
+        """Every claim prepared before the loss is unprepared: nothing unknown is held any more."""
+        if self._unaccounted is not None and not self._unaccounted and self._claims.lost is not None:
+            self._claims.book.clear_lost("devplugd: every claim prepared before the loss is unprepared")
 
-    def _choose(self, tree: DeviceTree, ref: ClaimRef, results: Sequence[AllocationResult]) -> list[_Chosen]:
-        """Each device of the results (one per device: its requests merged), checked (see the
-        module docstring); ClaimRefused names the first that cannot be had."""
+    def _choose(self, tree: DeviceTree, ref: ClaimRef, results: Sequence[AllocationResult],
+                before_loss: bool) -> list[Chosen]:
+        """Each device of the results (one per device: its requests merged), checked by the one
+        rule; ClaimRefused names the first that cannot be had."""
         pools = {pool_name(self._node, resource): pool for resource, pool in tree.pools.items()}
         names: dict[str, dict[str, str]] = {}  # pool name -> device name -> device ID
         merged: dict[tuple[str, str], list[AllocationResult]] = {}
         for result in results:
             merged.setdefault((result.pool, result.device), []).append(result)
-        exclusive = {(d.resource, d.device_id): claim for claim in self._claims.claims.values()
-                     for d in claim.devices if not d.admin_access}
-        leases = self._lease_holders()
-        chosen: list[_Chosen] = []
+        chosen: list[Chosen] = []
         for (pool_label, name), device_results in merged.items():
             pool = pools.get(pool_label)
             if pool is None:
                 raise ClaimRefused(f"{ref.label}: pool {pool_label!r} is not a pool of this node ({self._node})")
-            if pool.road != DRA_ROAD:
+            admin_access = all(result.admin_access for result in device_results)
+            asker = claim_asks(ref.uid, admin_access=admin_access, prepared_before_loss=before_loss)
+            if road_refusal(pool, asker) is not None:
                 raise ClaimRefused(f"{ref.label}: pool {pool_label!r} ({pool.resource}) is not a DRA pool of this "
                                    f"node (it is served through {pool.road})")
             ids = names.get(pool_label)
@@ -257,34 +253,27 @@ class ClaimPreparer:
             device_id = ids.get(name)
             if device_id is None:
                 raise ClaimRefused(f"{ref.label}: device {name!r} is not in pool {pool_label!r}")
-            admin_access = all(result.admin_access for result in device_results)
-            what = f"{ref.label}: device {name!r} ({device_id} of {pool.resource})"
-            if device_id in pool.vanished:
-                raise ClaimRefused(f"{what} is gone from the host")
-            if pool.devices[device_id].health != HEALTHY:
-                raise ClaimRefused(f"{what} is {pool.devices[device_id].health}")
-            if device_id in pool.leased or (pool.resource, device_id) in leases:
-                raise ClaimRefused(f"{what} is held by a host lease")
-            if device_id in pool.kubelet_held:
-                raise ClaimRefused(f"{what} is held by a pod through the device-plugin API (the kubelet's checkpoint)")
-            holder = exclusive.get((pool.resource, device_id))
-            if holder is not None and not admin_access:
-                raise ClaimRefused(f"{what} is prepared for {holder.label} (UID {holder.uid})")
+            if (why := refusal(pool, device_id, asker, self._holders or self._book_holder)) is not None:
+                raise ClaimRefused(f"{ref.label}: device {name!r} ({device_id} of {pool.resource}) {why.predicate}")
             requests = tuple(dict.fromkeys(result.request.split("/", 1)[0] for result in device_results))
             device = PreparedDevice(pool.resource, device_id, pool_label, name, requests, admin_access,
-                                    f"{self._kind}={ref.uid}-{name}")
-            chosen.append(_Chosen(pool, device))
+                                    f"{self._specs.kind}={ref.uid}-{name}")
+            chosen.append(Chosen(pool, device))
         return chosen
 
+    def _book_holder(self, pool: ResourcePool, device_id: str) -> Holder | None:
+        """Without the daemon's holdings (alone, in a test): the claim book's word."""
+        return self._claims.holders().get((pool.resource, device_id))
+
     async def _allocate(self, ref: ClaimRef,
-                        chosen: Sequence[_Chosen]) -> list[tuple[list[_Chosen], ContainerAllocation]]:
+                        chosen: Sequence[Chosen]) -> list[tuple[list[Chosen], ContainerAllocation]]:
         """One allocation per request and pool (with the devices it is for), in a worker thread;
         ClaimRefused says what failed."""
-        by_request: dict[tuple[str, str], list[_Chosen]] = {}
+        by_request: dict[tuple[str, str], list[Chosen]] = {}
         for item in chosen:
             request = item.device.request_names[0] if item.device.request_names else ""
             by_request.setdefault((item.pool.resource, request), []).append(item)
-        allocations: list[tuple[list[_Chosen], ContainerAllocation]] = []
+        allocations: list[tuple[list[Chosen], ContainerAllocation]] = []
         for (resource, _request), items in by_request.items():
             pool = items[0].pool
             hooks = self._hooks.get(pool.handler)
@@ -302,58 +291,24 @@ class ClaimPreparer:
             allocations.append((items, allocation))
         return allocations
 
-    def _claim_spec(self, uid: str, chosen: Sequence[_Chosen],
-                    allocations: Sequence[tuple[list[_Chosen], ContainerAllocation]]) -> dict[str, Any]:
-        """The claim's CDI spec document (see the module docstring, step 5), its devices in the
-        order of the claim's results."""
-        needs_host_path = False
-        edits_of: dict[str, dict[str, Any]] = {}  # device name -> its containerEdits
-        for items, allocation in allocations:
-            allocated = set(allocation.specs)
-            attributed: set[DeviceSpec] = set()
-            own_specs: dict[str, list[DeviceSpec]] = {}
-            for item in items:
-                own = [spec for spec in item.pool.devices[item.device.device_id].specs if spec in allocated]
-                attributed.update(own)
-                own_specs[item.device.device_name] = own
-            loose = [spec for spec in allocation.specs if spec not in attributed]
-            for position, item in enumerate(items):
-                specs = own_specs[item.device.device_name] + (loose if position == 0 else [])
-                # the device's own env too, so that its edits are never empty (CDI refuses those)
-                env = {**allocation.envs, _device_env_name(item.device): item.device.device_id}
-                edits, needs = container_edits(specs, allocation.mounts, env)
-                needs_host_path |= needs
-                edits_of[item.device.device_name] = edits
-        devices = [{"name": f"{uid}-{item.device.device_name}", "containerEdits": edits_of[item.device.device_name]}
-                   for item in chosen]
-        return {"cdiVersion": cdi_version(needs_host_path), "kind": self._kind, "devices": devices}
-
-    def _write_spec(self, uid: str, spec: Mapping[str, Any]) -> None:
-        self._cdi_dir.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.spec_path(uid), json.dumps(spec, separators=(",", ":")).encode(), mode=0o644,
-                         durable=False)
-
     async def _rewrite_spec_if_missing(self, claim: PreparedClaim) -> None:
         if claim.cdi_spec is None or await trio.to_thread.run_sync(self.spec_path(claim.uid).exists):
             return
         log.warning("%s (UID %s): its CDI spec %s is missing; writing it again", claim.label, claim.uid,
                     self.spec_path(claim.uid), extra={"EVENT": "prepare"})
         try:
-            await trio.to_thread.run_sync(self._write_spec, claim.uid, claim.cdi_spec)
+            await trio.to_thread.run_sync(self._specs.write, claim.uid, claim.cdi_spec)
         except OSError as error:
             raise ClaimRefused(f"{claim.label}: cannot write its CDI spec {self.spec_path(claim.uid)} again: "
                                f"{error}") from error
 
-    async def _undo(self, uid: str, chosen: Sequence[_Chosen]) -> None:
+    async def _undo(self, uid: str, chosen: Sequence[Chosen]) -> None:
         """Take back a prepare that failed half-way: its spec and its devices' side files."""
         try:
-            await trio.to_thread.run_sync(self._remove_spec, uid)
+            await trio.to_thread.run_sync(self._specs.remove, uid)
         except OSError as error:
             log.error("cannot remove %s: %s", self.spec_path(uid), error, extra={"EVENT": "prepare"})
         await self._release(uid, [(item.pool, item.device) for item in chosen])
-
-    def _remove_spec(self, uid: str) -> None:
-        self.spec_path(uid).unlink(missing_ok=True)
 
     async def _release(self, uid: str, devices: Sequence[tuple[ResourcePool, PreparedDevice]]) -> None:
         """Release the side files of ``devices`` that no other prepared claim shares; a handler
@@ -377,6 +332,7 @@ class ClaimPreparer:
     # -- unprepare -------------------------------------------------------------------------------
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
         """Each claim's error, or ``None`` when it is unprepared (or never was)."""
+        started = time.perf_counter()
         answers: dict[str, str | None] = {}
         async with self._lock:
             with trio.CancelScope(shield=True):
@@ -387,13 +343,15 @@ class ClaimPreparer:
                         log.exception("unpreparing %s (UID %s) failed", ref.label, ref.uid,
                                       extra={"EVENT": "unprepare"})
                         answers[ref.uid] = f"{ref.label}: internal error: {type(error).__name__}: {error}"
+        self._metrics.dra_unprepare_duration.observe(time.perf_counter() - started)
+        self._metrics.dra_claim_errors.labels("unprepare").inc(sum(1 for a in answers.values() if a is not None))
         return answers
 
     async def _unprepare(self, ref: ClaimRef) -> str | None:
         if not _UID.fullmatch(ref.uid):
             return None  # never prepared: no spec, no entry has such a UID
         try:
-            await trio.to_thread.run_sync(self._remove_spec, ref.uid)
+            await trio.to_thread.run_sync(self._specs.remove, ref.uid)
         except OSError as error:
             return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {error}"
         claim = self._claims.prepared(ref.uid)
@@ -411,6 +369,7 @@ class ClaimPreparer:
             self._unaccounted.discard(ref.uid)
             log.info("%s (UID %s), prepared before the checkpoint was lost, is unprepared; %d such claims left",
                      ref.label, ref.uid, len(self._unaccounted), extra={"EVENT": "unprepare"})
+            self._found_again_if_accounted()
         return None
 
     # -- start -----------------------------------------------------------------------------------
@@ -427,26 +386,11 @@ class ClaimPreparer:
                 except ClaimRefused as error:
                     log.error("%s", error, extra={"EVENT": "restore"})
             if self._claims.lost is not None:
-                self._unaccounted = await trio.to_thread.run_sync(self._claim_spec_uids) - set(self._claims.claims)
+                self._unaccounted = await trio.to_thread.run_sync(self._specs.uids) - set(self._claims.claims)
+                self._found_again_if_accounted()
                 return
-            stale = await trio.to_thread.run_sync(self._stale_specs)
+            stale = await trio.to_thread.run_sync(self._specs.stale, set(self._claims.claims))
             for uid in stale:
                 log.warning("removing the CDI spec of claim UID %s: not in the checkpoint", uid,
                             extra={"EVENT": "restore"})
-                await trio.to_thread.run_sync(self._remove_spec, uid)
-
-    def _stale_specs(self) -> list[str]:
-        stale = []
-        for uid in sorted(self._claim_spec_uids() - set(self._claims.claims)):
-            try:
-                kind = json.loads(self.spec_path(uid).read_bytes()).get("kind")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if kind == self._kind:
-                stale.append(uid)
-        return stale
-
-
-def _device_env_name(device: PreparedDevice) -> str:
-    """``DEVPLUGD_<RESOURCE>_<DEVICE NAME>``: set to the device's ID by its own CDI device."""
-    return f"{cdi_env_name(device.resource)}_{device.device_name.upper().replace('-', '_')}"
+                await trio.to_thread.run_sync(self._specs.remove, uid)

@@ -2,18 +2,13 @@
 
 A lease records the allocation answer it gave (envs, device specs, mounts, CDI names) so it
 stays valid for its whole life, like the kubelet's checkpointed Allocate answers. The lease file
-(``<state-dir>/leases.json``) is written atomically before an answer is sent: a temporary file
-in the same directory, fsync, rename over the old one, fsync of the directory, in a worker thread. A ``kill -9`` at
-any moment leaves the old or the new file, never a torn one. A file that cannot be read is moved
-aside with a loud error and the daemon starts with no leases rather than not at all.
+(``<state-dir>/leases.json``) is a ``DurableBook`` (``daemon.holdings``): written atomically
+before an answer is sent, and, when it cannot be read, moved aside and *lost*: every device stays
+held by it until an operator runs ``devplugd clear-lost leases``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -24,12 +19,9 @@ from typing import Any
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon.core import ContainerAllocation, DeviceSpec, Mount
-from daemon.files import write_atomically
-
-log = logging.getLogger("devplugd.leases")
+from daemon.holdings import LEASE, DurableBook, Holder, LostBook
 
 LEASE_FILE = "leases.json"
-FORMAT_VERSION = 1
 
 
 class LeaseError(Exception):
@@ -133,85 +125,57 @@ class Lease:
 
 
 class LeaseBook:
-    """The leases in force, and their file.
-
-    Changed only through ``add`` and ``remove``, coroutines that return once the file says so.
-    The write (two fsyncs) runs in a worker thread, so a slow disk never stalls the event loop;
-    writes are one at a time, each of the leases on disk plus its own change. What the book
-    reports in the meantime errs on the side of "held": a lease being granted holds its devices
-    from the moment it is chosen (so no other client can get them), and a lease being released
-    holds them until the file no longer has it (so a crash cannot leave a device with two holders).
-    """
+    """The leases in force, and their file (``DurableBook``: written before anyone hears of a
+    change, one write at a time in a worker thread; a file that cannot be read is never taken as
+    no leases). Changed only through ``reserve``, ``add`` and ``remove``."""
 
     def __init__(self, state_dir: Path) -> None:
-        self._path = state_dir / LEASE_FILE
-        self._on_disk: dict[str, Lease] = {}
-        self._granting: dict[str, Lease] = {}
-        self._write_lock = asyncio.Lock()
+        self._book: DurableBook[Lease] = DurableBook(
+            state_dir / LEASE_FILE, "lease", "leases", key=lambda lease: lease.lease, to_json=Lease.to_json,
+            from_json=Lease.from_json, sort_keys=True)
+        self._holders: tuple[int, Mapping[tuple[str, str], Holder]] | None = None
+
+    @property
+    def book(self) -> DurableBook[Lease]:
+        return self._book
 
     @property
     def path(self) -> Path:
-        return self._path
+        return self._book.path
 
     @property
     def leases(self) -> Mapping[str, Lease]:
         """The leases in force: those on disk (releases in flight included) and those being granted."""
-        return MappingProxyType({**self._on_disk, **self._granting})
+        return self._book.records
 
-    def holders(self) -> dict[tuple[str, str], Lease]:
-        """(resource, device ID) -> the lease holding it."""
-        return {(lease.resource, device): lease for lease in self.leases.values() for device in lease.devices}
+    @property
+    def lost_book(self) -> LostBook | None:
+        return self._book.lost_book
+
+    def holders(self) -> Mapping[tuple[str, str], Holder]:
+        """(resource, device ID) -> the lease holding it, worked out once per change."""
+        changes = self._book.changes
+        if self._holders is None or self._holders[0] != changes:
+            self._holders = (changes, MappingProxyType({
+                (lease.resource, device): Holder(LEASE, lease.lease, lease.owner)
+                for lease in self._book.records.values() for device in lease.devices
+            }))
+        return self._holders[1]
 
     def load(self) -> None:
-        try:
-            text = self._path.read_text()
-        except FileNotFoundError:
-            return
-        except OSError as error:
-            log.error("cannot read the lease file %s: %s; starting with no leases", self._path, error)
-            return
-        try:
-            document = json.loads(text)
-            leases = [Lease.from_json(item) for item in document["leases"]]
-        except (ValueError, KeyError, TypeError) as error:
-            aside = self._path.with_name(f"{LEASE_FILE}.corrupt-{int(time.time())}")
-            os.replace(self._path, aside)
-            log.error("the lease file %s is corrupt (%s): moved aside to %s; starting with no leases",
-                      self._path, error, aside)
-            return
-        self._on_disk = {lease.lease: lease for lease in leases}
-        log.info("loaded %d leases from %s", len(self._on_disk), self._path)
-
-    def _write(self, leases: Mapping[str, Lease]) -> None:
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        document = {"version": FORMAT_VERSION, "leases": [lease.to_json() for lease in leases.values()]}
-        write_atomically(self._path, json.dumps(document, indent=1, sort_keys=True).encode())
-
-    async def _save(self, leases: dict[str, Lease]) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._write, leases)
-        self._on_disk = leases
+        self._book.load()
 
     def reserve(self, lease: Lease) -> None:
         """Hold ``lease``'s devices at once (call it in the same step that chose them)."""
-        self._granting[lease.lease] = lease
+        self._book.reserve(lease)
 
     async def add(self, lease: Lease) -> None:
-        """Write ``lease`` (reserved or not) to the file; on failure it holds nothing."""
-        self._granting[lease.lease] = lease
-        try:
-            async with self._write_lock:
-                await self._save({**self._on_disk, lease.lease: lease})
-        finally:
-            self._granting.pop(lease.lease, None)
+        """Write ``lease`` (reserved or not) to the file; on failure (OSError) it holds nothing."""
+        await self._book.add(lease)
 
     async def remove(self, lease_id: str) -> Lease:
-        if lease_id not in self._on_disk:
+        """Release a lease: it holds its devices until the file no longer has it."""
+        removed = await self._book.remove(lease_id)
+        if removed is None:
             raise LeaseError(f"no lease {lease_id!r}")
-        async with self._write_lock:
-            updated = dict(self._on_disk)
-            removed = updated.pop(lease_id, None)
-            if removed is None:  # released by another call while this one waited
-                raise LeaseError(f"no lease {lease_id!r}")
-            await self._save(updated)
         return removed

@@ -12,12 +12,23 @@ unless ``--metrics-address`` is given: the instruments still count (a few hundre
 each), nobody reads them.
 """
 
-from ._instruments import CHANGED, FAILED, IGNORED, UNCHANGED, Metrics, metrics_outcome, without_created_series
+from ._instruments import (
+    CHANGED,
+    DRA_HEALTH,
+    FAILED,
+    HOST_WATCH,
+    IGNORED,
+    LISTANDWATCH,
+    UNCHANGED,
+    Metrics,
+    metrics_outcome,
+    without_created_series,
+)
 from ._liveness import Liveness
 from ._server import MetricsServer
 from ._tree import TreeCollector
 
 __all__ = [
-    "CHANGED", "FAILED", "IGNORED", "UNCHANGED", "Liveness", "Metrics", "MetricsServer", "TreeCollector",
-    "metrics_outcome", "without_created_series",
+    "CHANGED", "DRA_HEALTH", "FAILED", "HOST_WATCH", "IGNORED", "LISTANDWATCH", "UNCHANGED", "Liveness", "Metrics",
+    "MetricsServer", "TreeCollector", "metrics_outcome", "without_created_series",
 ]

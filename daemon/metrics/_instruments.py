@@ -4,17 +4,19 @@ gauges. The daemon's parts get this object passed down and call its small method
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
 )
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
+
+from daemon.checkpoint import CheckpointReader
 
 from ._liveness import Liveness
 from ._tree import TreeCollector
@@ -24,6 +26,10 @@ from ._tree import TreeCollector
 REACTION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ALLOCATE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 BUILD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# a DRA call reads claims from the API server (one round trip, up to seconds when it is slow)
+DRA_CALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# the kinds of streams that follow the tree (devplugd_tree_streams)
+LISTANDWATCH, DRA_HEALTH, HOST_WATCH = "listandwatch", "dra_health", "host_watch"
 
 # the values of the labels with a fixed set (nothing event-specific: bounded by pools and handlers)
 CHANGED, UNCHANGED, FAILED, IGNORED = "changed", "unchanged", "failed", "ignored"
@@ -37,13 +43,14 @@ def without_created_series() -> None:
 
 
 class Metrics:
-    """Everything one daemon counts. ``standard`` adds the process, platform and GC collectors
+    """Everything one daemon counts; ``checkpoint`` is the daemon's reader of the kubelet's
+    checkpoint (the allocation series). ``standard`` adds the process, platform and GC collectors
     (the daemon's own set; tests that build many loops leave them out: the GC collector hooks
     ``gc.callbacks``)."""
 
-    def __init__(self, device_plugin_dir: Path | None = None, *, standard: bool = False) -> None:
+    def __init__(self, checkpoint: CheckpointReader | None = None, *, standard: bool = False) -> None:
         registry = self.registry = CollectorRegistry()
-        self.tree = TreeCollector(device_plugin_dir)
+        self.tree = TreeCollector(checkpoint)
         registry.register(self.tree)
         # beaten by a task of the trio loop, answered at /healthz
         self.liveness = Liveness()
@@ -51,10 +58,6 @@ class Metrics:
             ProcessCollector(registry=registry)
             PlatformCollector(registry=registry)
             GCCollector(registry=registry)
-        # when the events of the tree being published reached the event loop (monotonic seconds):
-        # set around ``Notifier.publish`` so that ListAndWatch streams stamp the list they queue
-        self.event_arrival: float | None = None
-
         def counter(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, documentation, labels, registry=registry)
 
@@ -62,10 +65,15 @@ class Metrics:
                       labels: tuple[str, ...] = ()) -> Histogram:
             return Histogram(name, documentation, labels, registry=registry, buckets=buckets)
 
+        def gauge(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, documentation, labels, registry=registry)
+
         self.kernel_events = counter(
             "devplugd_kernel_events", "Kernel events the event loop handled, by source (uevent, rtnetlink) and "
             "outcome (changed: a handler's facts changed; unchanged; failed: a handler raised; ignored: no "
             "handler wants it).", ("source", "outcome"))
+        self.event_batches = counter("devplugd_event_batches", "Batches of events the event loop handled (a "
+                                     "burst waiting on the bus is one batch, and at most one new tree).")
         self.resyncs = counter("devplugd_resyncs", "Full rescans asked for (start, a source's overflow), per "
                                "handler rescanned.", ("handler",))
         self.config_reloads = counter("devplugd_config_reloads", "Config reloads, by outcome (ok, refused).",
@@ -96,6 +104,28 @@ class Metrics:
                                            "call (refusals included).", ALLOCATE_BUCKETS, ("resource",))
         self.tree_build_duration = histogram("devplugd_tree_build_duration_seconds", "Time to build a new "
                                              "DeviceTree from the handlers' facts.", BUILD_BUCKETS)
+        self.tree_streams = gauge("devplugd_tree_streams", "Open streams that follow the device tree, by kind "
+                                  "(listandwatch, dra_health, host_watch).", ("kind",))
+        self.lost_books = gauge("devplugd_lost_books", "1 while a book (lease, claim) that could not be read "
+                                "holds every device it could have held, until `devplugd clear-lost`.", ("book",))
+        # DRA: the kubelet's prepare calls and the ResourceSlices
+        self.dra_prepare_duration = histogram("devplugd_dra_prepare_duration_seconds", "Time to answer a "
+                                              "NodePrepareResources call (all its claims).", DRA_CALL_BUCKETS)
+        self.dra_unprepare_duration = histogram("devplugd_dra_unprepare_duration_seconds", "Time to answer a "
+                                                "NodeUnprepareResources call (all its claims).", DRA_CALL_BUCKETS)
+        self.dra_claim_errors = counter("devplugd_dra_claim_errors", "Claims answered with an error, by call "
+                                        "(prepare, unprepare).", ("call",))
+        self.dra_slice_writes = counter("devplugd_dra_slice_writes", "ResourceSlice writes that succeeded, by "
+                                        "operation (create, update, delete).", ("operation",))
+        self.dra_slice_conflicts = counter("devplugd_dra_slice_conflicts", "ResourceSlice writes the API server "
+                                           "answered 409 Conflict (read again and retried).")
+        self.dra_slice_syncs = counter("devplugd_dra_slice_syncs", "Rounds of the ResourceSlice publisher that "
+                                       "left the API server publishing what the tree says.")
+        self.dra_api_connected = gauge("devplugd_dra_api_connected", "1 once the API server answered and this "
+                                       "node's Node object was found (ResourceSlices can be published).")
+        self.dra_reaction = histogram(
+            "devplugd_event_to_resourceslice_seconds", "From an event reaching the event loop to the "
+            "ResourceSlices of the pool it changed written on the API server.", REACTION_BUCKETS, ("resource",))
 
         # the per-event counter's children, looked up once each (labels() costs a lock and a few
         # microseconds, as much as a fold)

@@ -3,7 +3,8 @@ Prometheus scrapes: nothing is kept up to date between scrapes.
 
 ``offer`` (the notifier's subscriber method, on the trio thread) only replaces one reference;
 ``collect`` (on the HTTP server's thread) takes that reference once, so every series of one
-scrape comes from the same immutable tree. The checkpoint is read on the scrape's thread too.
+scrape comes from the same immutable tree. The checkpoint is the daemon's one reader's reading,
+parsed again (on the scrape's thread) only when the file changed.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from daemon.checkpoint import CHECKPOINT_NAME, CheckpointError, Holdings, read_holdings
+from daemon.checkpoint import CheckpointReader, Holdings
 from daemon.core import DeviceInfo, DeviceTree
 
 log = logging.getLogger("devplugd.metrics")
@@ -53,12 +53,12 @@ def _families() -> dict[str, GaugeMetricFamily]:
 
 
 class TreeCollector(Collector):
-    """A notifier subscriber and a prometheus_client collector. ``device_plugin_dir`` is where
-    the kubelet's checkpoint is (``None``: no kubelet, no allocation series)."""
+    """A notifier subscriber and a prometheus_client collector. ``checkpoint`` reads the
+    kubelet's checkpoint (``None``: no kubelet, no allocation series)."""
 
-    def __init__(self, device_plugin_dir: Path | None = None) -> None:
+    def __init__(self, checkpoint: CheckpointReader | None = None) -> None:
         self._tree = DeviceTree.empty()
-        self._device_plugin_dir = device_plugin_dir
+        self._checkpoint = checkpoint
         self._problem_lock = threading.Lock()  # scrapes may run in several server threads at once
         self._told_problem: str | None = None
 
@@ -92,18 +92,17 @@ class TreeCollector(Collector):
     def _holdings(self) -> Holdings:
         """The checkpoint's (resource, device) -> (pod UID, container); ``{}`` when it is missing
         or cannot be read, told in one log line until that changes."""
-        if self._device_plugin_dir is None:
+        if self._checkpoint is None or self._checkpoint.directory is None:
             return {}
-        if not (self._device_plugin_dir / CHECKPOINT_NAME).exists():
-            self._tell(f"no kubelet checkpoint in {self._device_plugin_dir}", logging.INFO)
+        reading = self._checkpoint.read_if_changed()
+        if not reading.exists:
+            self._tell(f"no kubelet checkpoint in {self._checkpoint.directory}", logging.INFO)
             return {}
-        try:
-            holdings = read_holdings(self._device_plugin_dir)
-        except CheckpointError as error:
-            self._tell(str(error), logging.WARNING)
+        if reading.error is not None:
+            self._tell(reading.error, logging.WARNING)
             return {}
         self._tell(None, logging.INFO)
-        return holdings
+        return reading.holdings
 
     def _tell(self, problem: str | None, level: int) -> None:
         with self._problem_lock:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-daemon/_generated/devplugd/host/v1/host.proto\x12\x10\x64\x65vplugd.host.v1\"f\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06health\x18\x02 \x01(\t\x12\x12\n\nnuma_nodes\x18\x03 \x03(\x03\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12\r\n\x05lease\x18\x05 \x01(\t\x12\r\n\x05owner\x18\x06 \x01(\t\"[\n\x04Pool\x12\x10\n\x08resource\x18\x01 \x01(\t\x12)\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x18.devplugd.host.v1.Device\x12\x16\n\x0e\x61llocation_api\x18\x03 \x01(\t\"\r\n\x0bListRequest\"F\n\x0cListResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.devplugd.host.v1.Pool\"\x0e\n\x0cWatchRequest\"\xb2\x01\n\x05\x44\x65lta\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.devplugd.host.v1.Delta.Kind\x12\x10\n\x08resource\x18\x02 \x01(\t\x12(\n\x06\x64\x65vice\x18\x03 \x01(\x0b\x32\x18.devplugd.host.v1.Device\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43HANGED\x10\x03\"\x84\x01\n\nWatchEvent\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x32\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1e.devplugd.host.v1.ListResponseH\x00\x12(\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x17.devplugd.host.v1.DeltaH\x00\x42\x07\n\x05\x65vent\"{\n\x0f\x41llocateRequest\x12\x10\n\x08resource\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x12\n\ndevice_ids\x18\x03 \x03(\t\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x16\n\tnuma_node\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x0c\n\n_numa_node\"L\n\nDeviceSpec\x12\x16\n\x0e\x63ontainer_path\x18\x01 \x01(\t\x12\x11\n\thost_path\x18\x02 \x01(\t\x12\x13\n\x0bpermissions\x18\x03 \x01(\t\"E\n\x05Mount\x12\x16\n\x0e\x63ontainer_path\x18\x01 \x01(\t\x12\x11\n\thost_path\x18\x02 \x01(\t\x12\x11\n\tread_only\x18\x03 \x01(\x08\"\xb5\x03\n\x05Lease\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x10\n\x08resource\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12/\n\x04\x65nvs\x18\x05 \x03(\x0b\x32!.devplugd.host.v1.Lease.EnvsEntry\x12\x32\n\x0c\x64\x65vice_specs\x18\x06 \x03(\x0b\x32\x1c.devplugd.host.v1.DeviceSpec\x12\'\n\x06mounts\x18\x07 \x03(\x0b\x32\x17.devplugd.host.v1.Mount\x12=\n\x0b\x61nnotations\x18\x08 \x03(\x0b\x32(.devplugd.host.v1.Lease.AnnotationsEntry\x12\x13\n\x0b\x63\x64i_devices\x18\t \x03(\t\x12\x0f\n\x07\x63reated\x18\n \x01(\x01\x12\x17\n\x0fmissing_devices\x18\x0b \x03(\t\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1f\n\x0eReleaseRequest\x12\r\n\x05lease\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0f\n\rLeasesRequest\"9\n\x0eLeasesResponse\x12\'\n\x06leases\x18\x01 \x03(\x0b\x32\x17.devplugd.host.v1.Lease2\x85\x03\n\x04Host\x12G\n\x04List\x12\x1d.devplugd.host.v1.ListRequest\x1a\x1e.devplugd.host.v1.ListResponse\"\x00\x12I\n\x05Watch\x12\x1e.devplugd.host.v1.WatchRequest\x1a\x1c.devplugd.host.v1.WatchEvent\"\x00\x30\x01\x12H\n\x08\x41llocate\x12!.devplugd.host.v1.AllocateRequest\x1a\x17.devplugd.host.v1.Lease\"\x00\x12P\n\x07Release\x12 .devplugd.host.v1.ReleaseRequest\x1a!.devplugd.host.v1.ReleaseResponse\"\x00\x12M\n\x06Leases\x12\x1f.devplugd.host.v1.LeasesRequest\x1a .devplugd.host.v1.LeasesResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-daemon/_generated/devplugd/host/v1/host.proto\x12\x10\x64\x65vplugd.host.v1\"f\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06health\x18\x02 \x01(\t\x12\x12\n\nnuma_nodes\x18\x03 \x03(\x03\x12\x0e\n\x06holder\x18\x04 \x01(\t\x12\r\n\x05lease\x18\x05 \x01(\t\x12\r\n\x05owner\x18\x06 \x01(\t\"[\n\x04Pool\x12\x10\n\x08resource\x18\x01 \x01(\t\x12)\n\x07\x64\x65vices\x18\x02 \x03(\x0b\x32\x18.devplugd.host.v1.Device\x12\x16\n\x0e\x61llocation_api\x18\x03 \x01(\t\"\r\n\x0bListRequest\"Z\n\x0cListResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12%\n\x05pools\x18\x02 \x03(\x0b\x32\x16.devplugd.host.v1.Pool\x12\x12\n\nlost_books\x18\x03 \x03(\t\"\x0e\n\x0cWatchRequest\"\xb2\x01\n\x05\x44\x65lta\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.devplugd.host.v1.Delta.Kind\x12\x10\n\x08resource\x18\x02 \x01(\t\x12(\n\x06\x64\x65vice\x18\x03 \x01(\x0b\x32\x18.devplugd.host.v1.Device\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x01\x12\x0b\n\x07REMOVED\x10\x02\x12\x0b\n\x07\x43HANGED\x10\x03\"\x84\x01\n\nWatchEvent\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x32\n\x08snapshot\x18\x02 \x01(\x0b\x32\x1e.devplugd.host.v1.ListResponseH\x00\x12(\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x17.devplugd.host.v1.DeltaH\x00\x42\x07\n\x05\x65vent\"{\n\x0f\x41llocateRequest\x12\x10\n\x08resource\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x12\n\ndevice_ids\x18\x03 \x03(\t\x12\r\n\x05owner\x18\x04 \x01(\t\x12\x16\n\tnuma_node\x18\x05 \x01(\x03H\x00\x88\x01\x01\x42\x0c\n\n_numa_node\"L\n\nDeviceSpec\x12\x16\n\x0e\x63ontainer_path\x18\x01 \x01(\t\x12\x11\n\thost_path\x18\x02 \x01(\t\x12\x13\n\x0bpermissions\x18\x03 \x01(\t\"E\n\x05Mount\x12\x16\n\x0e\x63ontainer_path\x18\x01 \x01(\t\x12\x11\n\thost_path\x18\x02 \x01(\t\x12\x11\n\tread_only\x18\x03 \x01(\x08\"\xb5\x03\n\x05Lease\x12\r\n\x05lease\x18\x01 \x01(\t\x12\x10\n\x08resource\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12/\n\x04\x65nvs\x18\x05 \x03(\x0b\x32!.devplugd.host.v1.Lease.EnvsEntry\x12\x32\n\x0c\x64\x65vice_specs\x18\x06 \x03(\x0b\x32\x1c.devplugd.host.v1.DeviceSpec\x12\'\n\x06mounts\x18\x07 \x03(\x0b\x32\x17.devplugd.host.v1.Mount\x12=\n\x0b\x61nnotations\x18\x08 \x03(\x0b\x32(.devplugd.host.v1.Lease.AnnotationsEntry\x12\x13\n\x0b\x63\x64i_devices\x18\t \x03(\t\x12\x0f\n\x07\x63reated\x18\n \x01(\x01\x12\x17\n\x0fmissing_devices\x18\x0b \x03(\t\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10\x41nnotationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1f\n\x0eReleaseRequest\x12\r\n\x05lease\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\x0f\n\rLeasesRequest\"G\n\x0eLeasesResponse\x12\'\n\x06leases\x18\x01 \x03(\x0b\x32\x17.devplugd.host.v1.Lease\x12\x0c\n\x04lost\x18\x02 \x01(\t\"2\n\x10\x43learLostRequest\x12\x0c\n\x04\x62ook\x18\x01 \x01(\t\x12\x10\n\x08operator\x18\x02 \x01(\t\"5\n\x11\x43learLostResponse\x12\x0f\n\x07\x63leared\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t2\xdd\x03\n\x04Host\x12G\n\x04List\x12\x1d.devplugd.host.v1.ListRequest\x1a\x1e.devplugd.host.v1.ListResponse\"\x00\x12I\n\x05Watch\x12\x1e.devplugd.host.v1.WatchRequest\x1a\x1c.devplugd.host.v1.WatchEvent\"\x00\x30\x01\x12H\n\x08\x41llocate\x12!.devplugd.host.v1.AllocateRequest\x1a\x17.devplugd.host.v1.Lease\"\x00\x12P\n\x07Release\x12 .devplugd.host.v1.ReleaseRequest\x1a!.devplugd.host.v1.ReleaseResponse\"\x00\x12M\n\x06Leases\x12\x1f.devplugd.host.v1.LeasesRequest\x1a .devplugd.host.v1.LeasesResponse\"\x00\x12V\n\tClearLost\x12\".devplugd.host.v1.ClearLostRequest\x1a#.devplugd.host.v1.ClearLostResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,35 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREQUEST']._serialized_start=264
   _globals['_LISTREQUEST']._serialized_end=277
   _globals['_LISTRESPONSE']._serialized_start=279
-  _globals['_LISTRESPONSE']._serialized_end=349
-  _globals['_WATCHREQUEST']._serialized_start=351
-  _globals['_WATCHREQUEST']._serialized_end=365
-  _globals['_DELTA']._serialized_start=368
-  _globals['_DELTA']._serialized_end=546
-  _globals['_DELTA_KIND']._serialized_start=481
-  _globals['_DELTA_KIND']._serialized_end=546
-  _globals['_WATCHEVENT']._serialized_start=549
-  _globals['_WATCHEVENT']._serialized_end=681
-  _globals['_ALLOCATEREQUEST']._serialized_start=683
-  _globals['_ALLOCATEREQUEST']._serialized_end=806
-  _globals['_DEVICESPEC']._serialized_start=808
-  _globals['_DEVICESPEC']._serialized_end=884
-  _globals['_MOUNT']._serialized_start=886
-  _globals['_MOUNT']._serialized_end=955
-  _globals['_LEASE']._serialized_start=958
-  _globals['_LEASE']._serialized_end=1395
-  _globals['_LEASE_ENVSENTRY']._serialized_start=1300
-  _globals['_LEASE_ENVSENTRY']._serialized_end=1343
-  _globals['_LEASE_ANNOTATIONSENTRY']._serialized_start=1345
-  _globals['_LEASE_ANNOTATIONSENTRY']._serialized_end=1395
-  _globals['_RELEASEREQUEST']._serialized_start=1397
-  _globals['_RELEASEREQUEST']._serialized_end=1428
-  _globals['_RELEASERESPONSE']._serialized_start=1430
-  _globals['_RELEASERESPONSE']._serialized_end=1447
-  _globals['_LEASESREQUEST']._serialized_start=1449
-  _globals['_LEASESREQUEST']._serialized_end=1464
-  _globals['_LEASESRESPONSE']._serialized_start=1466
-  _globals['_LEASESRESPONSE']._serialized_end=1523
-  _globals['_HOST']._serialized_start=1526
-  _globals['_HOST']._serialized_end=1915
+  _globals['_LISTRESPONSE']._serialized_end=369
+  _globals['_WATCHREQUEST']._serialized_start=371
+  _globals['_WATCHREQUEST']._serialized_end=385
+  _globals['_DELTA']._serialized_start=388
+  _globals['_DELTA']._serialized_end=566
+  _globals['_DELTA_KIND']._serialized_start=501
+  _globals['_DELTA_KIND']._serialized_end=566
+  _globals['_WATCHEVENT']._serialized_start=569
+  _globals['_WATCHEVENT']._serialized_end=701
+  _globals['_ALLOCATEREQUEST']._serialized_start=703
+  _globals['_ALLOCATEREQUEST']._serialized_end=826
+  _globals['_DEVICESPEC']._serialized_start=828
+  _globals['_DEVICESPEC']._serialized_end=904
+  _globals['_MOUNT']._serialized_start=906
+  _globals['_MOUNT']._serialized_end=975
+  _globals['_LEASE']._serialized_start=978
+  _globals['_LEASE']._serialized_end=1415
+  _globals['_LEASE_ENVSENTRY']._serialized_start=1320
+  _globals['_LEASE_ENVSENTRY']._serialized_end=1363
+  _globals['_LEASE_ANNOTATIONSENTRY']._serialized_start=1365
+  _globals['_LEASE_ANNOTATIONSENTRY']._serialized_end=1415
+  _globals['_RELEASEREQUEST']._serialized_start=1417
+  _globals['_RELEASEREQUEST']._serialized_end=1448
+  _globals['_RELEASERESPONSE']._serialized_start=1450
+  _globals['_RELEASERESPONSE']._serialized_end=1467
+  _globals['_LEASESREQUEST']._serialized_start=1469
+  _globals['_LEASESREQUEST']._serialized_end=1484
+  _globals['_LEASESRESPONSE']._serialized_start=1486
+  _globals['_LEASESRESPONSE']._serialized_end=1557
+  _globals['_CLEARLOSTREQUEST']._serialized_start=1559
+  _globals['_CLEARLOSTREQUEST']._serialized_end=1609
+  _globals['_CLEARLOSTRESPONSE']._serialized_start=1611
+  _globals['_CLEARLOSTRESPONSE']._serialized_end=1664
+  _globals['_HOST']._serialized_start=1667
+  _globals['_HOST']._serialized_end=2144
 # @@protoc_insertion_point(module_scope)

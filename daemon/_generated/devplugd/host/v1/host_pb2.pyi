@@ -38,12 +38,14 @@ class ListRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("version", "pools")
+    __slots__ = ("version", "pools", "lost_books")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    LOST_BOOKS_FIELD_NUMBER: _ClassVar[int]
     version: int
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
-    def __init__(self, version: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ...) -> None: ...
+    lost_books: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., lost_books: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ()
@@ -168,7 +170,25 @@ class LeasesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LeasesResponse(_message.Message):
-    __slots__ = ("leases",)
+    __slots__ = ("leases", "lost")
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
     leases: _containers.RepeatedCompositeFieldContainer[Lease]
-    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ...) -> None: ...
+    lost: str
+    def __init__(self, leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., lost: _Optional[str] = ...) -> None: ...
+
+class ClearLostRequest(_message.Message):
+    __slots__ = ("book", "operator")
+    BOOK_FIELD_NUMBER: _ClassVar[int]
+    OPERATOR_FIELD_NUMBER: _ClassVar[int]
+    book: str
+    operator: str
+    def __init__(self, book: _Optional[str] = ..., operator: _Optional[str] = ...) -> None: ...
+
+class ClearLostResponse(_message.Message):
+    __slots__ = ("cleared", "message")
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    cleared: bool
+    message: str
+    def __init__(self, cleared: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...

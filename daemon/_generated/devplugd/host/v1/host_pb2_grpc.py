@@ -59,6 +59,11 @@ class HostStub:
                 request_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.LeasesRequest.SerializeToString,
                 response_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.LeasesResponse.FromString,
                 _registered_method=True)
+        self.ClearLost = channel.unary_unary(
+                '/devplugd.host.v1.Host/ClearLost',
+                request_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostRequest.SerializeToString,
+                response_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostResponse.FromString,
+                _registered_method=True)
 
 
 class HostServicer:
@@ -99,6 +104,14 @@ class HostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClearLost(self, request, context):
+        """A book (the leases, the DRA claims) whose file could not be read holds every device it
+        could have held, until an operator who knows them free clears it: they are offered again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +139,11 @@ def add_HostServicer_to_server(servicer, server):
                     servicer.Leases,
                     request_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.LeasesRequest.FromString,
                     response_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.LeasesResponse.SerializeToString,
+            ),
+            'ClearLost': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearLost,
+                    request_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostRequest.FromString,
+                    response_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +281,33 @@ class Host:
             '/devplugd.host.v1.Host/Leases',
             daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.LeasesRequest.SerializeToString,
             daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.LeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearLost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/devplugd.host.v1.Host/ClearLost',
+            daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostRequest.SerializeToString,
+            daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,92 @@
+"""What the tree's pools ask of the API server: the devices each DRA pool publishes, and which
+device-plugin pools are withheld while slices from a time they were DRA pools are still there.
+
+``DraPools`` is the DRA driver's subscriber side: each tree it is offered becomes the slices the
+publisher should have (``slice_devices`` of each pool on the DRA road, worked out again only for
+a pool that changed, and then only for its devices whose record changed). The publisher tells it
+which pools have slices on the server after each round; a pool whose config says
+``devicePlugin`` and that still has slices is *withheld* (served neither way) until they are
+deleted, and ``on_withheld`` tells the daemon when that set changes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from daemon.core import DRA_API, DRA_ROAD, DeviceTree, Hooks, ResourcePool
+
+from ._names import pool_name
+from ._publisher import SlicePublisher, WantedPool
+from ._slices import slice_devices
+from ._view import JsonObject
+
+log = logging.getLogger("devplugd.dra")
+
+
+class DraPools:
+    def __init__(self, driver: str, node_name: str, hooks: Mapping[str, Hooks], publisher: SlicePublisher,
+                 on_withheld: Callable[[frozenset[str], str], None] = lambda resources, why: None) -> None:
+        self._driver = driver
+        self._node = node_name
+        self._hooks = hooks
+        self._publisher = publisher
+        self._on_withheld = on_withheld
+        self._tree = DeviceTree.empty()
+        # resource -> (the pool as last offered, its WantedPool, the memo of slice_devices for it)
+        self._pools: dict[str, tuple[ResourcePool, WantedPool, dict[str, Any]]] = {}
+        self._seen_problems: set[str] = set()  # what slice_devices logged already: once in all
+        self._on_server: frozenset[str] = frozenset()  # pool names with slices on the server
+        self._withheld: frozenset[str] = frozenset()
+
+    def withheld(self) -> frozenset[str]:
+        """Resources that have slices on the API server (as far as we know): a pool whose config
+        says ``devicePlugin`` is served neither way while it is one of them."""
+        return self._withheld
+
+    def offer(self, tree: DeviceTree) -> None:
+        self._tree = tree
+        wanted: dict[str, WantedPool] = {}
+        kept: dict[str, tuple[ResourcePool, WantedPool, dict[str, Any]]] = {}
+        for resource, pool in tree.pools.items():
+            if pool.road != DRA_ROAD:
+                continue
+            cached = self._pools.get(resource)
+            if cached is not None and cached[0] is pool:
+                pool_wanted, memo = cached[1], cached[2]
+            else:
+                # a reload may change what the describer says: a new pool config, a new memo
+                memo = cached[2] if cached is not None and cached[0].pool_config is pool.pool_config else {}
+                hooks = self._hooks.get(pool.handler)
+                devices: list[JsonObject] = slice_devices(
+                    pool, self._driver, hooks.describer if hooks is not None else None,
+                    seen=self._seen_problems, memo=memo)
+                if cached is not None and cached[1].devices == devices:
+                    pool_wanted = cached[1]  # the same devices: the same wanted pool, written or not
+                else:
+                    pool_wanted = WantedPool(resource, devices, tree.arrival)
+            kept[resource] = (pool, pool_wanted, memo)
+            wanted[pool_name(self._node, resource)] = pool_wanted
+        self._pools = kept
+        elsewhere = frozenset(pool_name(self._node, r) for r, p in tree.pools.items() if p.road != DRA_ROAD)
+        self._publisher.update(wanted, elsewhere)
+        self._update_withheld()
+
+    def on_server(self, pools: frozenset[str]) -> None:
+        """The publisher's word after each round: the pools (by name) that have slices now."""
+        self._on_server = pools
+        self._update_withheld()
+
+    def _update_withheld(self) -> None:
+        tree = self._tree
+        published = frozenset(r for r in tree.pools if pool_name(self._node, r) in self._on_server)
+        device_plugin = frozenset(r for r, pool in tree.pools.items()
+                                  if pool.pool_config.entry.allocation_api != DRA_API)
+        before, self._withheld = self._withheld & device_plugin, published
+        now = published & device_plugin
+        if now != before:
+            if released := before - now:
+                log.info("DRA: the slices of %s are deleted; the kubelet gets it now", ", ".join(sorted(released)),
+                         extra={"EVENT": "dra"})
+            self._on_withheld(now, "slices withdrawn" if released else "slices to withdraw")

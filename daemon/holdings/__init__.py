@@ -1,0 +1,75 @@
+"""Who holds what: one home for the promise that a device goes to one holder at a time,
+whichever road asks (the kubelet's device-plugin API, a DRA claim, a host lease).
+
+* ``Holdings``: the live view of the holders (host leases, prepared claims, the kubelet's
+  checkpoint, books that could not be read) and of the pools withheld while their slices go;
+* ``refusal``: the one availability rule every road asks, with one list of reasons;
+* ``Assembly``: the next DeviceTree from the previous one, the handlers' builds, the config and a
+  ``HeldSnapshot`` of the holders, a pure function the event loop calls;
+* ``DurableBook``: the one durable book (leases and claims), with one policy for a file that
+  cannot be read.
+"""
+
+from ._assemble import Assembly, Builds
+from ._book import DurableBook
+from ._holder import CLAIM, CLEAR_COMMAND, KUBELET, LEASE, LOST_CLAIMS, LOST_LEASES, Holder, LostBook
+from ._holdings import NO_BOOK, DeviceKey, HeldSnapshot, HoldingBook, Holdings
+from ._rule import (
+    CLAIMED,
+    KUBELET_ASKS,
+    KUBELET_HELD,
+    LEASE_ASKS,
+    LEASED,
+    LOST_BOOK,
+    SLICE_ASKS,
+    UNHEALTHY,
+    UNKNOWN,
+    VANISHED,
+    WITHHELD,
+    WRONG_ROAD,
+    Asker,
+    HolderLookup,
+    Refusal,
+    claim_asks,
+    holder_of,
+    refusal,
+    road_refusal,
+)
+
+__all__ = [
+    "CLAIM",
+    "CLAIMED",
+    "CLEAR_COMMAND",
+    "KUBELET",
+    "KUBELET_ASKS",
+    "KUBELET_HELD",
+    "LEASE",
+    "LEASED",
+    "LEASE_ASKS",
+    "LOST_BOOK",
+    "LOST_CLAIMS",
+    "LOST_LEASES",
+    "NO_BOOK",
+    "SLICE_ASKS",
+    "UNHEALTHY",
+    "UNKNOWN",
+    "VANISHED",
+    "WITHHELD",
+    "WRONG_ROAD",
+    "Asker",
+    "Assembly",
+    "Builds",
+    "DeviceKey",
+    "DurableBook",
+    "HeldSnapshot",
+    "Holder",
+    "HolderLookup",
+    "HoldingBook",
+    "Holdings",
+    "LostBook",
+    "Refusal",
+    "claim_asks",
+    "holder_of",
+    "refusal",
+    "road_refusal",
+]

@@ -1,0 +1,201 @@
+"""A durable book: who holds what, in one JSON file, with one policy for every book (the host
+leases, the prepared DRA claims).
+
+Writes: the whole book, atomically (a temporary file in the same directory, fsync, rename over
+the old one, fsync of the directory), in a worker thread, one write at a time, before anyone
+hears of the change: a ``kill -9`` at any moment leaves the old or the new file, never a torn
+one. What the book reports meanwhile errs on the side of "held": a record being added holds its
+devices from the moment it is reserved (so no other road can get them), and a record being
+removed holds them until the file no longer has it (so a crash cannot leave a device with two
+holders).
+
+A file that cannot be read is never taken as empty: that could hand a device to a second holder
+while the first still has it. It is moved aside (kept for the operator), logged once with its
+path and the reason, and the book is *lost* (``lost``): nobody can tell which devices it held,
+so they are all held by it (see ``daemon.holdings``) until the operator clears it
+(``clear_lost``, ``devplugd clear-lost``) or its owner finds out on its own. Nothing the file
+holds, text or bytes, escapes as an exception. A lost book writes a fresh file, never over one
+it could not move aside.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Generic, TypeVar
+
+import trio
+
+from daemon.files import write_atomically
+
+from ._holder import LostBook
+
+log = logging.getLogger("devplugd.holdings")
+
+FORMAT_VERSION = 1
+
+T = TypeVar("T")
+
+
+class DurableBook(Generic[T]):
+    """Records by key in ``path``, under ``list_key`` (``{"version": 1, "<list_key>": [...]}``).
+    ``book`` names it in messages (``lease``, ``claim``). ``from_json`` raises ValueError (or
+    KeyError, TypeError) for an entry it cannot take; ``sort_keys`` sorts the file's keys."""
+
+    def __init__(self, path: Path, book: str, list_key: str, key: Callable[[T], str],
+                 to_json: Callable[[T], Mapping[str, Any]], from_json: Callable[[Any], T], *,
+                 sort_keys: bool = False, on_change: Callable[[], None] = lambda: None) -> None:
+        self._path = path
+        self._book = book
+        self._list_key = list_key
+        self._key = key
+        self._to_json = to_json
+        self._from_json = from_json
+        self._sort_keys = sort_keys
+        self.on_change = on_change  # who holds what changed (a reservation, a write, the lost state)
+        self._on_disk: dict[str, T] = {}
+        self._pending: dict[str, T] = {}  # reserved or being written, not on disk yet
+        self._write_lock = trio.Lock()
+        self._version = 0
+        self._changes = 0  # any change to what the book holds: reservations, writes, the lost state
+        self._lost: LostBook | None = None
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def version(self) -> int:
+        """Counts the changes written since the book was made."""
+        return self._version
+
+    @property
+    def changes(self) -> int:
+        """Counts every change to what the book holds (for its owner's caches)."""
+        return self._changes
+
+    @property
+    def records(self) -> Mapping[str, T]:
+        """In force: those on disk (removals in flight included) and those being added."""
+        return MappingProxyType({**self._on_disk, **self._pending})
+
+    @property
+    def on_disk(self) -> Mapping[str, T]:
+        return MappingProxyType(self._on_disk)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the records of before this start are unknown, or ``None``."""
+        return str(self._lost) if self._lost is not None else None
+
+    @property
+    def lost_book(self) -> LostBook | None:
+        return self._lost
+
+    # -- reading ---------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Read the file (a missing one: an empty book). One that cannot be read or parsed is
+        moved aside, logged, and the book is lost; this never raises."""
+        try:
+            data = self._path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            self._set_lost(f"cannot be read ({error.strerror or error})", move=False)
+            return
+        try:
+            records = self._parse(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            self._set_lost(f"is corrupt ({type(error).__name__}: {error})", move=True)
+            return
+        self._on_disk = records
+        log.info("loaded %d %ss from %s", len(records), self._book, self._path)
+
+    def _parse(self, data: bytes) -> dict[str, T]:
+        document = json.loads(data.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+        if not isinstance(document, dict) or not isinstance(document.get(self._list_key), list):
+            raise ValueError(f"no {self._list_key!r} list")
+        if document.get("version") != FORMAT_VERSION:
+            raise ValueError(f"format version {document.get('version')!r}, expected {FORMAT_VERSION}")
+        records = [self._from_json(item) for item in document[self._list_key]]
+        return {self._key(record): record for record in records}
+
+    def _set_lost(self, reason: str, *, move: bool) -> None:
+        aside: Path | None = None
+        if move:
+            candidate = self._path.with_name(f"{self._path.name}.corrupt-{int(time.time())}")
+            try:
+                os.replace(self._path, candidate)
+                aside = candidate
+            except OSError as error:
+                reason = f"{reason} and could not be moved aside ({error})"
+        self._lost = LostBook(self._book, self._path, reason, aside, time.time())
+        log.error("%s: which devices its %ss held is unknown, so every device one could hold stays held until "
+                  "`devplugd clear-lost %ss` (the file is kept for you)", self._lost, self._book, self._book,
+                  extra={"EVENT": f"lost-{self._book}-book"})
+
+    def clear_lost(self, who: str) -> bool:
+        """The lost book's devices are known free (``who`` says so): hold them no longer.
+        Whether it was lost."""
+        if self._lost is None:
+            return False
+        log.warning("%s: cleared by %s; its devices are offered again", self._lost, who,
+                    extra={"EVENT": f"lost-{self._book}-book"})
+        self._lost = None
+        self._changed()
+        return True
+
+    def _changed(self) -> None:
+        self._changes += 1
+        self.on_change()
+
+    # -- changing --------------------------------------------------------------------------------
+    def reserve(self, record: T) -> None:
+        """Hold ``record``'s devices at once (call it in the same step that chose them)."""
+        self._pending[self._key(record)] = record
+        self._changed()
+
+    async def add(self, record: T) -> None:
+        """Write ``record`` (reserved or not) to the file; on failure (OSError) it holds nothing."""
+        key = self._key(record)
+        if self._pending.get(key) is not record:
+            self.reserve(record)
+        try:
+            async with self._write_lock:
+                await self._save({**self._on_disk, key: record})
+        except BaseException:
+            self._pending.pop(key, None)
+            self._changed()
+            raise
+        self._pending.pop(key, None)
+        self._changes += 1  # the same holders, now on disk
+
+    async def remove(self, key: str) -> T | None:
+        """Take the record out of the file (``None``: it was not in it). OSError: not written,
+        it still holds its devices."""
+        async with self._write_lock:
+            if key not in self._on_disk:
+                return None
+            updated = dict(self._on_disk)
+            removed = updated.pop(key)
+            await self._save(updated)
+        self._changed()
+        return removed
+
+    async def _save(self, records: dict[str, T]) -> None:
+        if self._lost is not None and self._lost.moved_to is None and self._path.exists():
+            # the unreadable file is still there: writing over it would lose what it holds
+            raise OSError(f"not overwriting {self._path}: {self._lost}")
+        await trio.to_thread.run_sync(self._write, records)
+        self._on_disk = records
+        self._version += 1
+
+    def _write(self, records: Mapping[str, T]) -> None:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        document = {"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]}
+        write_atomically(self._path, json.dumps(document, indent=1, sort_keys=self._sort_keys).encode())
