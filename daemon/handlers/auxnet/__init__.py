@@ -8,7 +8,9 @@ required and may only be ``["sf"]``), first pool and selector in file order winn
 ID is the auxiliary device name, the NUMA node its PF's. Allocate gives the RDMA character devices
 (``isRdma``), plus
 ``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs) and its ``_INFO`` JSON as upstream writes them; no
-device-info file (upstream writes none for this type).
+device-info file (upstream writes none for this type). What this handler shares with the pci
+handler's netDevice pools (those envs and providers, the ``pfNames``/``rootDevices`` rule, the
+sysfs readers of a function) is in ``daemon/handlers/_*.py``, beside both.
 
 Unlike upstream, SFs come and go with the kernel's events: an SF created and bound to its driver
 joins its pool, unbound (no netdev, no RDMA device left) or removed it leaves; a PF's driver
@@ -37,7 +39,8 @@ from daemon.core import (
     Resync,
     UEvent,
 )
-from daemon.handlers.pci import PCIE_ROOT, RDMA_SUBSYSTEMS, allocation_envs
+from daemon.handlers._functions import PCIE_ROOT, RDMA_SUBSYSTEMS
+from daemon.handlers._sriov_allocation import allocation_envs
 
 from ._discovery import AuxFacts, scan_aux
 from ._folding import fold_links, fold_uevent

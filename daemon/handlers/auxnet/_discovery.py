@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from daemon.core import LinkState, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from daemon.handlers.pci import PCI_ADDRESS, netdev_link_type, pcie_root_of, read_rdma_char_devices
+from daemon.handlers._functions import (
+    PCI_ADDRESS,
+    netdev_link_type,
+    pcie_root_of,
+    read_numa_node,
+    read_rdma_char_devices,
+)
 
 log = logging.getLogger("devplugd.auxnet")
 
@@ -162,16 +168,6 @@ def pf_name(device_dir: str) -> tuple[str | None, str]:
     return netdevs[0], netdev_link_type(f"{device_dir}/net/{netdevs[0]}")
 
 
-def _numa_node(device_dir: str) -> int | None:
-    """``numa_node``; like upstream, an unreadable or negative value means no topology."""
-    try:
-        numa = read_int(f"{device_dir}/numa_node")
-    except SysfsError as error:
-        log.warning("no NUMA node: %s", error)
-        return None
-    return numa if numa is not None and numa >= 0 else None
-
-
 def read_pf(sysfs_root: str, address: str) -> ParentPf | None:
     """The PF at ``address``; ``None`` when it is gone (before or while it was read)."""
     bus_entry = f"{sysfs_root}/bus/pci/devices/{address}"
@@ -185,7 +181,7 @@ def read_pf(sysfs_root: str, address: str) -> ParentPf | None:
         raise SysfsError(f"{bus_entry}: missing {', '.join(missing)}")
     name, link_type = pf_name(bus_entry)
     pf = ParentPf(address=address, vendor=vendor, device=device, class_code=class_code,
-                  driver=link_name(f"{bus_entry}/driver"), numa_node=_numa_node(bus_entry), name=name,
+                  driver=link_name(f"{bus_entry}/driver"), numa_node=read_numa_node(bus_entry), name=name,
                   link_type=link_type, pcie_root=pcie_root_of(bus_entry))
     return pf if os.path.isdir(bus_entry) else None
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, LinkState, UEvent
-from daemon.handlers.pci import PCI_ADDRESS, lists_rdma_cm, rdma_cm_present
+from daemon.handlers._functions import PCI_ADDRESS, lists_rdma_cm, rdma_cm_present
 
 from ._discovery import AuxFacts, ScalableFunction, read_sf_logged, sf_in, sfs_below, with_pfs
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec
-from daemon.handlers.pci import extra_info, rdma_specs_and_info
+from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info
 
 from ._discovery import AuxFacts, ParentPf, ScalableFunction
 from ._selectors import AuxSelector

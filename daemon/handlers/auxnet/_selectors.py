@@ -8,10 +8,10 @@ an empty list does not filter. ``vendors``, ``devices`` and ``drivers`` are thos
 parent PCI PF; ``auxTypes`` is required and may hold only ``"sf"`` (the middle part of the
 auxiliary name ``mlx5_core.sf.4``), as upstream's ``ValidConfig`` demands; ``pfNames`` (the PF's
 uplink representor) and ``rootDevices`` (the PF's address) take ``#`` ranges over the SF's
-``sfnum``; ``linkTypes`` is the SF netdev's link type (its PF's when it has none); ``isRdma``
-keeps SFs with an RDMA device and hands out its character devices. Other keys are ignored, as
-upstream ignores them: ``needVhostNet`` among them, which upstream's auxNetDevice selectors do not
-have (only its netDevice ones).
+``sfnum`` (``daemon.handlers._sriov_selectors``); ``linkTypes`` is the SF netdev's link type (its
+PF's when it has none); ``isRdma`` keeps SFs with an RDMA device and hands out its character
+devices. Other keys are ignored, as upstream ignores them: ``needVhostNet`` among them, which
+upstream's auxNetDevice selectors do not have (only its netDevice ones).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 
 from daemon.core import ConfigError, ConfigObject
-from daemon.handlers.pci import entry_problem, index_selected, pick_pf_entry
+from daemon.handlers._sriov_selectors import pf_selected, warn_entry_problems
 
 from ._discovery import SF_TYPE, ParentPf, ScalableFunction
 
@@ -52,14 +52,10 @@ class AuxSelector:
             return False
         if sf.aux_type not in self.aux_types:
             return False
-        if self.pf_names:
-            entry = pick_pf_entry(self.pf_names, pf.name) if pf.name else None
-            if entry is None or not index_selected(entry, sf.sfnum):
-                return False
-        if self.root_devices:
-            entry = pick_pf_entry(self.root_devices, pf.address)
-            if entry is None or not index_selected(entry, sf.sfnum):
-                return False
+        if self.pf_names and not pf_selected(self.pf_names, pf.name, sf.sfnum):
+            return False
+        if self.root_devices and not pf_selected(self.root_devices, pf.address, sf.sfnum):
+            return False
         if self.link_types and sf.link_type(pf) not in self.link_types:
             return False
         return not self.is_rdma or bool(sf.rdma_devices)
@@ -93,8 +89,5 @@ def parse_selector(selector: ConfigObject) -> AuxSelector:
     )
     if len(parsed.link_types) > 1:
         log.warning("%s: more than one link type given", selector.path_of("linkTypes"))
-    for key, entries in (("pfNames", parsed.pf_names), ("rootDevices", parsed.root_devices)):
-        for position, entry in enumerate(entries):
-            if problem := entry_problem(entry):
-                log.warning("%s[%d]: %r: %s", selector.path_of(key), position, entry, problem)
+    warn_entry_problems(log, selector, parsed.pf_names, parsed.root_devices)
     return parsed

@@ -36,47 +36,27 @@ from daemon.core import (
     list_dir,
     read_hex_id,
 )
+from daemon.handlers._functions import RDMA_SUBSYSTEMS
+from daemon.handlers._sriov_allocation import allocation_envs
 
 from ._allocation import (
     VFIO_DRIVER,
     PciDetails,
-    allocation_envs,
     devinfo_file_name,
-    extra_info,
     first_per_host_path,
     kubevirt_env_name,
-    rdma_specs_and_info,
     remove_devinfo_files,
     vfio_specs,
     with_vfio_binding,
     write_devinfo_file,
 )
-from ._attributes import PCIE_ROOT, pci_attributes
-from ._discovery import (
-    PCI_ADDRESS,
-    PciFacts,
-    lists_rdma_cm,
-    netdev_link_type,
-    pci_devpath,
-    pcie_root_of,
-    rdma_cm_present,
-    read_rdma_char_devices,
-    read_vfio_binding,
-    scan_pci,
-)
-from ._folding import ERROR_EVENTS, RDMA_SUBSYSTEMS, fold_links, fold_uevent, is_error_event, recovery_concerns
+from ._attributes import pci_attributes
+from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
+from ._folding import ERROR_EVENTS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._groups import is_bridge_class
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
-from ._selectors import (
-    ACCELERATOR,
-    NET_DEVICE,
-    PCI_DEVICE,
-    entry_problem,
-    index_selected,
-    parse_selector,
-    pick_pf_entry,
-)
+from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 if TYPE_CHECKING:
     from daemon.core import (
@@ -91,14 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devplugd.pci")
 
-# What the auxNetDevice handler shares with this one: the SR-IOV plugin's PF/index selectors,
-# its RDMA answer, its envs and _INFO (with additionalInfo's extra), netdev link types, RDMA char
-# devices and rdma_cm, the shape of a PCI address, a function's PCIe root and its DRA attribute.
-__all__ = [
-    "PCIE_ROOT", "PCI_ADDRESS", "RDMA_SUBSYSTEMS", "PciHandler", "allocation_envs", "entry_problem", "extra_info",
-    "index_selected", "lists_rdma_cm", "netdev_link_type", "pcie_root_of", "pick_pf_entry", "rdma_cm_present",
-    "rdma_specs_and_info", "read_rdma_char_devices",
-]
+# The entry point's: what this handler shares with auxnet is in daemon/handlers/_*.py, beside it.
+__all__ = ["PciHandler"]
 
 
 class PciHandler:

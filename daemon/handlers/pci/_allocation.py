@@ -3,9 +3,8 @@
 * device specs: vfio (``/dev/vfio/vfio`` and the IOMMU group; ``noiommu-N`` on the host side in
   no-IOMMU mode), uio, RDMA character devices, vhost-net/tun, a vhost vDPA device's
   ``/dev/vhost-vdpa-N``;
-* ``PCIDEVICE_<PREFIX>_<NAME>`` (only ``.`` replaced by ``_``, then upper-cased) = the IDs in
-  request order, and ``..._INFO`` = ``{id: {provider: {key: value}}}`` as Go's json.Marshal
-  writes it;
+* ``PCIDEVICE_<PREFIX>_<NAME>`` and its ``..._INFO`` (``daemon.handlers._sriov_allocation``,
+  which the auxnet handler's SFs share, with the ``extra`` and ``rdma`` providers);
 * the Multus device-info file (``<prefix>-<name>-<id>-device.json``, spec 1.1.0) for netDevice
   pools, written at Allocate and removed when the pool stops: type ``vdpa`` for a device its
   selector took by ``vdpaType``, ``pci`` otherwise.
@@ -20,11 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
 
-from daemon.core import DeviceSpec, device_list_env_name
+from daemon.core import DeviceSpec
+from daemon.handlers._functions import PCI_ADDRESS
+from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info
 
-from ._discovery import PCI_ADDRESS, PciDevice, VdpaDevice, VfioBinding
+from ._discovery import PciDevice, VdpaDevice, VfioBinding
 
 log = logging.getLogger("devplugd.pci")
 
@@ -107,32 +107,6 @@ VHOST_NET_SPECS = (DeviceSpec(VHOST_NET, VHOST_NET), DeviceSpec(NET_TUN, NET_TUN
 VHOST_NET_INFO: Mapping[str, str] = MappingProxyType({"net-mount": VHOST_NET, "tun-mount": NET_TUN})
 
 
-def extra_info(additional_info: Mapping[str, Mapping[str, str]], key: str) -> dict[str, str]:
-    """The ``extra`` provider of ``_INFO``: ``additionalInfo``'s ``"*"``, then ``key``'s over it."""
-    extra: dict[str, str] = {}
-    for each in ("*", key):
-        extra.update(additional_info.get(each, {}))
-    return extra
-
-
-def rdma_specs_and_info(
-    rdma_devices: Sequence[str], rdma_char_devices: Mapping[str, tuple[str, ...]]
-) -> tuple[list[DeviceSpec], dict[str, str]]:
-    """The character devices of ``rdma_devices`` as specs, and the ``rdma`` provider of ``_INFO``
-    (``uverbs``, ``umad``, ``issm``, ``rdma_cm``: the last of each kind; ``rdma_dev``: the first)."""
-    specs: list[DeviceSpec] = []
-    rdma: dict[str, str] = {}
-    for rdma_name in rdma_devices:
-        for path in rdma_char_devices.get(rdma_name, ()):
-            specs.append(DeviceSpec(path, path))
-            for key in ("uverbs", "umad", "issm", "rdma_cm"):
-                if key in path:
-                    rdma[key] = path
-                    break
-    rdma["rdma_dev"] = rdma_devices[0]
-    return specs, rdma
-
-
 def device_specs_and_info(
     device: PciDevice,
     *,
@@ -182,47 +156,14 @@ def vdpa_node_path(vdpa: VdpaDevice) -> str | None:
     return f"/dev/{vdpa.vhost_node}" if vdpa.vdpa_type == "vhost" and vdpa.vhost_node else None
 
 
-# Encoders are immutable once made; json.dumps with options would make one per call (every Allocate).
-_GO_MAP_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+# Immutable once made; json.dumps with options would make an encoder per call (every Allocate).
 _COMPACT_ENCODER = json.JSONEncoder(separators=(",", ":"))
-
-
-def go_json(value: Any) -> str:
-    """JSON as Go's encoding/json.Marshal writes a map: sorted keys, compact, HTML-escaped."""
-    text = _GO_MAP_ENCODER.encode(value)
-    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
-                         ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
-        text = text.replace(raw, escaped)
-    return text
-
-
-def env_name(prefix: str, resource_name: str) -> str:
-    """``PCIDEVICE_<prefix>_<name>``."""
-    return device_list_env_name("PCIDEVICE", prefix, resource_name)
 
 
 def kubevirt_env_name(resource: str) -> str:
     """``PCI_RESOURCE_<RESOURCE>``, the variable KubeVirt's host-device support reads for an
     external resource provider: the resource name upper-cased, ``/`` and ``.`` made ``_``."""
     return "PCI_RESOURCE_" + resource.upper().replace("/", "_").replace(".", "_")
-
-
-class HasInfo(Protocol):
-    """A device record carrying its ``_INFO`` entry (PciDetails, an SF's record)."""
-
-    @property
-    def info(self) -> Mapping[str, Mapping[str, str]]: ...
-
-
-def allocation_envs(
-    prefix: str, resource_name: str, device_ids: Sequence[str], details: Mapping[str, HasInfo]
-) -> dict[str, str]:
-    """``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs in request order) and its ``_INFO``."""
-    key = env_name(prefix, resource_name)
-    return {
-        key: ",".join(device_ids),
-        f"{key}_INFO": go_json({device_id: details[device_id].info for device_id in device_ids}),
-    }
 
 
 def devinfo_file_name(resource: str, device_id: str) -> str:

@@ -15,11 +15,11 @@ of every slice, and never reads the host.
 from __future__ import annotations
 
 from daemon.core import AttributeValue
+from daemon.handlers._functions import PCIE_ROOT
 
 from ._allocation import PciDetails
 
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
-PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 
 
 def pci_attributes(details: PciDetails) -> dict[str, AttributeValue]:

@@ -9,14 +9,15 @@ default partition key ``ports/1/pkeys/0``); vDPA devices from ``<sysfs>/bus/vdpa
 (each a directory of its parent function, bound to ``vhost_vdpa`` or ``virtio_vdpa``, with its
 ``vhost-vdpa-<n>`` char device beside ``driver`` when bound to vhost); RDMA character devices from
 ``<sysfs>/class/infiniband_{verbs,mad,cm}``; IPv4 default routes from ``<proc>/net/route``.
-A device whose entries cannot be read is skipped with a log line naming the path.
+A device whose entries cannot be read is skipped with a log line naming the path. What the
+auxnet handler reads the same way (link types, NUMA node, PCIe root, RDMA character devices) is
+read by ``daemon.handlers._functions``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,14 +26,17 @@ from types import MappingProxyType
 from typing import Any
 
 from daemon.core import LinkState, PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-
-from ._linktypes import link_type_name
+from daemon.handlers._functions import (
+    PCI_ADDRESS,
+    netdev_link_type,
+    pcie_root_of,
+    read_numa_node,
+    read_rdma_char_devices,
+)
 
 log = logging.getLogger("devplugd.pci")
 
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
-PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")  # domain:bus:device.function
-PCIE_ROOT = re.compile(r"pci[0-9a-f]{4,}:[0-9a-f]{2}")  # a root complex's directory under /sys/devices
 
 
 VDPA_TYPES_BY_DRIVER: Mapping[str, str] = MappingProxyType({"vhost_vdpa": "vhost", "virtio_vdpa": "virtio"})
@@ -147,75 +151,6 @@ def read_default_route_interfaces(proc_root: str) -> frozenset[str]:
     return frozenset(interfaces)
 
 
-RDMA_CM = "/dev/infiniband/rdma_cm"
-
-
-def rdma_cm_present(dev_root: str) -> bool:
-    """Whether ``/dev/infiniband/rdma_cm`` (rdma_ucm's node, every RDMA device's last) is there."""
-    return os.path.exists(dev_root + RDMA_CM[len("/dev"):])
-
-
-def lists_rdma_cm(char_devices: Iterable[tuple[str, ...]]) -> bool:
-    """Whether these RDMA devices' character device lists were read with ``rdma_cm`` there."""
-    return any(paths[-1:] == (RDMA_CM,) for paths in char_devices)
-# rdmamap's order: for each class and name prefix, the first entry whose ibdev is the device.
-_RDMA_CHAR_CLASSES = (
-    ("infiniband_cm", "ucm"),
-    ("infiniband_mad", "issm"),
-    ("infiniband_mad", "umad"),
-    ("infiniband_verbs", "uverbs"),
-)
-
-
-def read_rdma_char_devices(sysfs_root: str, dev_root: str, below: str | None = None) -> dict[str, tuple[str, ...]]:
-    """RDMA device name -> its character devices, as rdmamap's GetRdmaCharDevices lists them:
-    ucm, issm, umad, uverbs, then ``/dev/infiniband/rdma_cm`` when that node exists.
-
-    ``below``: a device directory, whose RDMA devices' character devices are read from its own
-    ``infiniband_verbs/``, ``infiniband_mad/`` and ``infiniband_cm/`` (the kernel parents them to
-    the RDMA device's parent), instead of from every entry of ``<sysfs>/class``: the same answer
-    for that device's RDMA devices at the cost of its few entries."""
-    owners: dict[tuple[str, str], dict[str, str]] = {}
-    rdma_devices: set[str] = set()
-    for class_name, prefix in _RDMA_CHAR_CLASSES:
-        class_dir = join(below, class_name) if below is not None else join(sysfs_root, "class", class_name)
-        first_by_owner: dict[str, str] = {}
-        for entry in list_dir(class_dir):
-            if prefix not in entry:
-                continue
-            owner = read_text(join(class_dir, entry, "ibdev"))
-            if owner and owner not in first_by_owner:
-                first_by_owner[owner] = entry
-        owners[(class_name, prefix)] = first_by_owner
-        rdma_devices.update(first_by_owner)
-    rdma_cm = rdma_cm_present(dev_root)
-    result: dict[str, tuple[str, ...]] = {}
-    for rdma_device in rdma_devices:
-        paths = [f"/dev/infiniband/{owners[key][rdma_device]}" for key in _RDMA_CHAR_CLASSES
-                 if rdma_device in owners[key]]
-        if rdma_cm:
-            paths.append(RDMA_CM)
-        result[rdma_device] = tuple(paths)
-    return result
-
-
-def netdev_link_type(net_dir: str) -> str:
-    """The link type name (``ether``, ``infiniband``, ...) of the netdev at ``net_dir``, from its
-    ARPHRD ``type``; ``""`` when it has none."""
-    arphrd = read_int(join(net_dir, "type"))
-    return "" if arphrd is None else link_type_name(arphrd)
-
-
-def _read_numa_node(device_dir: str) -> int | None:
-    """``numa_node``; like upstream, an unreadable value means no topology, not no device."""
-    try:
-        return read_int(join(device_dir, "numa_node"))
-    except SysfsError as error:
-        address = os.path.basename(device_dir)
-        log.warning("no NUMA node for %s: %s", address, error, extra={"PCI_ADDR": address})
-        return None
-
-
 class _PfNetdevCache:
     """PF address -> (its first netdev, that netdev's link type), read once per scan."""
 
@@ -258,7 +193,7 @@ def read_device(
     if vendor is None or device is None or class_code is None:
         missing = [n for n, v in (("vendor", vendor), ("device", device), ("class", class_code)) if v is None]
         raise SysfsError(f"{device_dir}: missing {', '.join(missing)}")
-    numa = _read_numa_node(device_dir) if "numa_node" in entries else None
+    numa = read_numa_node(device_dir) if "numa_node" in entries else None
     is_pf = "sriov_totalvfs" in entries
     num_vfs = (read_int(f"{device_dir}/sriov_numvfs") or 0) if is_pf else 0
 
@@ -294,7 +229,7 @@ def read_device(
         device=device,
         class_code=class_code,
         driver=link_name(f"{device_dir}/driver") if "driver" in entries else None,
-        numa_node=numa if numa is not None and numa >= 0 else None,
+        numa_node=numa,
         acpi_index=read_text(f"{device_dir}/acpi_index") if "acpi_index" in entries else None,
         is_pf=is_pf,
         num_vfs=num_vfs,
@@ -367,25 +302,6 @@ def read_default_pkey(rdma_dir: str) -> int | None:
         log.warning("%s: %r is not a partition key; pKeys selectors will not match it", path, text[:40])
         return None
     return value
-
-
-def pcie_root_of(bus_entry: str) -> str | None:
-    """The root complex a function sits below (``pci0000:00``), from one readlink of its
-    ``bus/pci/devices/<address>`` entry: the first component of the target under ``devices/``
-    (``../../../devices/pci0000:00/0000:00:02.0/0000:3b:00.0``), as the DRA helper
-    (``deviceattribute.GetPCIeRootAttributeByPCIBusID``) reads it; ``None`` when the target is
-    not below a ``pci<domain>:<bus>`` directory (a Hyper-V guest's functions sit below VMBus)."""
-    try:
-        target = os.readlink(bus_entry)
-    except OSError:
-        return None
-    # bus_entry is <sysfs>/bus/pci/devices/<address>: the target is resolved lexically from there
-    sysfs_devices = os.path.normpath(join(bus_entry, "..", "..", "..", "..", "devices"))
-    resolved = os.path.normpath(join(os.path.dirname(bus_entry), target))
-    if not resolved.startswith(sysfs_devices + "/"):
-        return None
-    root = resolved[len(sysfs_devices) + 1:].split("/", 1)[0]
-    return root if PCIE_ROOT.fullmatch(root) else None
 
 
 def vfio_cdev_of(device_dir: str) -> str | None:

@@ -26,24 +26,25 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
+from daemon.handlers._functions import (
+    PCI_ADDRESS,
+    RDMA_SUBSYSTEMS,
+    lists_rdma_cm,
+    rdma_cm_present,
+    read_rdma_char_devices,
+)
 
 from ._discovery import (
-    PCI_ADDRESS,
     PciDevice,
     PciFacts,
     copy_map,
     function_pkey,
-    lists_rdma_cm,
     owned_rdma_char_devices,
-    rdma_cm_present,
     read_devices,
-    read_rdma_char_devices,
     vf_positions_of,
 )
 
 log = logging.getLogger("devplugd.pci")
-
-RDMA_SUBSYSTEMS = frozenset({"infiniband", "infiniband_verbs", "infiniband_mad", "infiniband_cm"})
 
 RECOVERING = "recovering"
 FAILED = "failed"

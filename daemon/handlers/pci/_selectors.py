@@ -3,9 +3,8 @@ exactly as upstream does (``pkg/resources/deviceSelectors.go``), and of our ``pc
 (any PCI function handed whole to a VM or a vfio workload).
 
 Fields combine with AND, values inside one list with OR; an empty list does not filter.
-``pfNames``/``rootDevices`` entries are ``<PF netdev|PF address>[#<indices>]`` where indices are
-``N`` or ``A-B`` separated by commas. As upstream: the *first* entry whose part before ``#``
-equals the PF (case-insensitively) decides; a malformed index list stops matching at the bad part.
+``pfNames``/``rootDevices`` entries (``<PF netdev|PF address>[#<indices>]``) are matched as
+``daemon.handlers._sriov_selectors`` says, over the VF index.
 
 ``pKeys`` (netDevice) are InfiniBand default partition keys, compared as 16-bit numbers (``"0x1"``
 matches the kernel's ``0x0001``, where upstream compares the strings); they match only functions
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from typing import TypedDict
 
 from daemon.core import ConfigError, ConfigObject
+from daemon.handlers._sriov_selectors import pf_selected, warn_entry_problems
 
 from ._discovery import PciDevice
 
@@ -39,66 +39,6 @@ PCI_DEVICE_DEFAULT_DRIVERS = ("vfio-pci",)
 CLASS_CODE_DIGITS = 6
 VDPA_TYPES = ("virtio", "vhost")
 INFINIBAND = "infiniband"
-
-
-def pick_pf_entry(entries: tuple[str, ...], pf: str) -> str | None:
-    """The first entry whose name part (before ``#``) equals ``pf`` case-insensitively."""
-    wanted = pf.casefold()
-    for entry in entries:
-        if entry.split("#")[0].casefold() == wanted:
-            return entry
-    return None
-
-
-def _go_atoi(text: str) -> int | None:
-    """strconv.Atoi: optional sign, then decimal digits only."""
-    body = text[1:] if text[:1] in "+-" else text
-    if not body or not body.isascii() or not body.isdigit():
-        return None
-    return int(text)
-
-
-def index_selected(entry: str, index: int) -> bool:
-    """Whether VF ``index`` is selected by ``entry`` (``name``, or ``name#0,2-7``)."""
-    if "#" not in entry:
-        return True
-    fields = entry.split("#")
-    if len(fields) != 2:
-        return False
-    for part in fields[1].split(","):
-        if "-" in part:
-            bounds = part.split("-")
-            if len(bounds) != 2:
-                return False
-            start, end = _go_atoi(bounds[0]), _go_atoi(bounds[1])
-            if start is None or end is None:
-                return False
-            if start <= index <= end:
-                return True
-        else:
-            single = _go_atoi(part)
-            if single is None:
-                return False
-            if index == single:
-                return True
-    return False
-
-
-def entry_problem(entry: str) -> str | None:
-    """Why a ``pfNames``/``rootDevices`` entry can never fully work (for a config warning)."""
-    if "#" not in entry:
-        return None
-    fields = entry.split("#")
-    if len(fields) != 2:
-        return "more than one '#'"
-    for part in fields[1].split(","):
-        bounds = part.split("-") if "-" in part else [part]
-        numbers = [_go_atoi(b) for b in bounds]
-        if len(bounds) > 2 or None in numbers:
-            return f"{part!r} is not an index or an A-B range"
-        if len(numbers) == 2 and numbers[0] is not None and numbers[1] is not None and numbers[0] > numbers[1]:
-            return f"range {part!r} is descending and selects nothing"
-    return None
 
 
 @dataclass(frozen=True)
@@ -139,13 +79,10 @@ class PciSelector:
             return False
         if self.pf_names:
             pf_name = device.pf_netdev or (device.pf_address if self.pf_named_by_address else None)
-            entry = pick_pf_entry(self.pf_names, pf_name) if pf_name else None
-            if entry is None or not index_selected(entry, device.vf_index):
+            if not pf_selected(self.pf_names, pf_name, device.vf_index):
                 return False
-        if self.root_devices:
-            entry = pick_pf_entry(self.root_devices, device.pf_address) if device.pf_address else None
-            if entry is None or not index_selected(entry, device.vf_index):
-                return False
+        if self.root_devices and not pf_selected(self.root_devices, device.pf_address, device.vf_index):
+            return False
         if self.link_types and device.link_type not in self.link_types:
             return False
         if self.ddp_profiles and ddp_profile(device.address) not in self.ddp_profiles:
@@ -208,13 +145,7 @@ def parse_selector(selector: ConfigObject, device_type: str) -> PciSelector:
             log.warning("%s: more than one link type given", selector.path_of("linkTypes"))
     else:
         return PciSelector(**common)
-    for key, entries in (("pfNames", parsed.pf_names), ("rootDevices", parsed.root_devices)):
-        for position, entry in enumerate(entries):
-            if problem := entry_problem(entry):
-                log.warning(
-                    "%s[%d]: %r: %s",
-                    selector.path_of(key), position, entry, problem,
-                )
+    warn_entry_problems(log, selector, parsed.pf_names, parsed.root_devices)
     return parsed
 
 

@@ -1,0 +1,80 @@
+"""What a device of the SR-IOV plugin's pools adds to an Allocate answer, byte for byte as upstream
+writes it, for netDevice and accelerator functions (the pci handler) and auxNetDevice SFs (the
+auxnet handler) alike:
+
+* ``PCIDEVICE_<PREFIX>_<NAME>`` (only ``.`` replaced by ``_``, then upper-cased) = the IDs in
+  request order, and ``..._INFO`` = ``{id: {provider: {key: value}}}`` as Go's json.Marshal
+  writes it;
+* the providers of ``_INFO`` that do not depend on the kind of device, with their device specs:
+  ``extra`` (``additionalInfo``) and ``rdma`` (an ``isRdma`` selector: the RDMA character devices).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from daemon.core import DeviceSpec, device_list_env_name
+
+# Encoders are immutable once made; json.dumps with options would make one per call (every Allocate).
+_GO_MAP_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def go_json(value: Any) -> str:
+    """JSON as Go's encoding/json.Marshal writes a map: sorted keys, compact, HTML-escaped."""
+    text = _GO_MAP_ENCODER.encode(value)
+    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                         ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(raw, escaped)
+    return text
+
+
+def env_name(prefix: str, resource_name: str) -> str:
+    """``PCIDEVICE_<prefix>_<name>``."""
+    return device_list_env_name("PCIDEVICE", prefix, resource_name)
+
+
+class HasInfo(Protocol):
+    """A device record carrying its ``_INFO`` entry (a PCI function's, an SF's)."""
+
+    @property
+    def info(self) -> Mapping[str, Mapping[str, str]]: ...
+
+
+def allocation_envs(
+    prefix: str, resource_name: str, device_ids: Sequence[str], details: Mapping[str, HasInfo]
+) -> dict[str, str]:
+    """``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs in request order) and its ``_INFO``."""
+    key = env_name(prefix, resource_name)
+    return {
+        key: ",".join(device_ids),
+        f"{key}_INFO": go_json({device_id: details[device_id].info for device_id in device_ids}),
+    }
+
+
+def extra_info(additional_info: Mapping[str, Mapping[str, str]], key: str) -> dict[str, str]:
+    """The ``extra`` provider of ``_INFO``: ``additionalInfo``'s ``"*"``, then ``key``'s over it."""
+    extra: dict[str, str] = {}
+    for each in ("*", key):
+        extra.update(additional_info.get(each, {}))
+    return extra
+
+
+def rdma_specs_and_info(
+    rdma_devices: Sequence[str], rdma_char_devices: Mapping[str, tuple[str, ...]]
+) -> tuple[list[DeviceSpec], dict[str, str]]:
+    """The character devices of ``rdma_devices`` as specs, and the ``rdma`` provider of ``_INFO``
+    (``uverbs``, ``umad``, ``issm``, ``rdma_cm``: the last of each kind; ``rdma_dev``: the first)."""
+    specs: list[DeviceSpec] = []
+    rdma: dict[str, str] = {}
+    for rdma_name in rdma_devices:
+        for path in rdma_char_devices.get(rdma_name, ()):
+            specs.append(DeviceSpec(path, path))
+            for key in ("uverbs", "umad", "issm", "rdma_cm"):
+                if key in path:
+                    rdma[key] = path
+                    break
+    rdma["rdma_dev"] = rdma_devices[0]
+    return specs, rdma
+
