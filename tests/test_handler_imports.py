@@ -1,6 +1,7 @@
 """The layering a reviewer checks by reading the imports: a handler depends on the core and on the
 shared modules beside the handlers (``daemon/handlers/_*.py``), never on another handler's
-package; the shared modules depend on no handler package.
+package; the shared modules depend on no handler package. And no file of the daemon's own code
+is over 400 lines (the generated gRPC modules aside).
 
 The imports are parsed with ``ast`` (every ``import`` and ``from ... import``, at any depth,
 relative ones resolved against the importing module's package), not by importing anything, so a
@@ -17,7 +18,14 @@ import pytest
 
 from tests.daemonrun import REPO_ROOT
 
-HANDLERS = REPO_ROOT / "daemon" / "handlers"
+DAEMON = REPO_ROOT / "daemon"
+HANDLERS = DAEMON / "handlers"
+GENERATED = DAEMON / "_generated"
+MAX_LINES = 400
+
+# Over the limit on main when this test came, outside the handlers (not split here: its owner
+# splits it). Strict: once one is split, its entry fails until it is taken out of this list.
+KNOWN_TOO_LONG = frozenset({"daemon/sources/uevents.py"})
 
 
 def handler_packages(handlers: Path = HANDLERS) -> set[str]:
@@ -76,6 +84,11 @@ def handler_modules() -> list[Path]:
     return sorted(path for path in HANDLERS.rglob("*.py") if "__pycache__" not in path.parts)
 
 
+def daemon_files() -> list[Path]:
+    return sorted(path for path in DAEMON.rglob("*")
+                  if path.is_file() and "__pycache__" not in path.parts and GENERATED not in path.parents)
+
+
 def test_there_are_handler_packages_and_shared_modules_to_check() -> None:
     assert {"pci", "auxnet", "devnode", "usb"} <= handler_packages()
     assert [path.name for path in HANDLERS.glob("_*.py")]
@@ -120,3 +133,13 @@ def test_the_import_check_sees_every_spelling_of_a_cross_handler_import(tmp_path
     assert foreign_handler_imports(shared, packages, tmp_path) == [
         (2, "daemon.handlers.alpha"), (2, "daemon.handlers.alpha.x")]
 
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="over the limit on main; split by its owner"))
+     if str(path.relative_to(REPO_ROOT)) in KNOWN_TOO_LONG else path for path in daemon_files()],
+    ids=lambda path: str(path.relative_to(DAEMON)),
+)
+def test_no_file_of_the_daemon_is_over_400_lines(path: Path) -> None:
+    lines = len(path.read_text(errors="replace").splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(REPO_ROOT)} has {lines} lines (at most {MAX_LINES})"

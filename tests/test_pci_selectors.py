@@ -9,7 +9,7 @@ import pytest
 
 from daemon.core import ConfigError, ConfigObject
 from daemon.handlers._sriov_selectors import entry_problem, index_selected, pick_pf_entry
-from daemon.handlers.pci._discovery import PciDevice
+from daemon.handlers.pci._facts import PciDevice
 from daemon.handlers.pci._selectors import ACCELERATOR, NET_DEVICE, PciSelector, parse_selector
 
 GTP = "GTPv1-C/U IPv4/IPv6 payload"

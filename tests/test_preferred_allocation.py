@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
-from daemon.handlers.pci._discovery import PciDevice
+from daemon.handlers.pci._facts import PciDevice
 from daemon.handlers.pci._preferred import PACKED, POLICIES, SPREAD, preferred_devices
 from tests.kubelet import FakeKubelet
 

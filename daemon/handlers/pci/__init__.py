@@ -51,7 +51,8 @@ from ._allocation import (
     write_devinfo_file,
 )
 from ._attributes import pci_attributes
-from ._discovery import PciFacts, pci_devpath, read_vfio_binding, scan_pci
+from ._discovery import pci_devpath, read_vfio_binding, scan_pci
+from ._facts import PciFacts
 from ._folding import ERROR_EVENTS, fold_links, fold_uevent, is_error_event, recovery_concerns
 from ._groups import is_bridge_class
 from ._pools import PciPoolSpec, PoolBuilder

@@ -24,7 +24,8 @@ from daemon.core import DeviceSpec
 from daemon.handlers._functions import PCI_ADDRESS
 from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info
 
-from ._discovery import PciDevice, VdpaDevice, VfioBinding
+from ._discovery import VfioBinding
+from ._facts import PciDevice, VdpaDevice
 
 log = logging.getLogger("devplugd.pci")
 

@@ -34,15 +34,8 @@ from daemon.handlers._functions import (
     read_rdma_char_devices,
 )
 
-from ._discovery import (
-    PciDevice,
-    PciFacts,
-    copy_map,
-    function_pkey,
-    owned_rdma_char_devices,
-    read_devices,
-    vf_positions_of,
-)
+from ._discovery import function_pkey, owned_rdma_char_devices, read_devices, vf_positions_of
+from ._facts import PciDevice, PciFacts, copy_map
 
 log = logging.getLogger("devplugd.pci")
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo
 
 from ._allocation import VFIO_DRIVER, PciDetails, first_per_host_path
-from ._discovery import PciDevice
+from ._facts import PciDevice
 
 # drivers that leave a group viable; the kernel also lets PCI bridges keep theirs (pcieport)
 VIABLE_DRIVERS = frozenset({VFIO_DRIVER, "pci-stub"})

@@ -24,7 +24,7 @@ from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMa
 
 from ._allocation import PciDetails, device_specs_and_info, iommufd_specs
 from ._ddp import read_ddp_profile
-from ._discovery import PciDevice, PciFacts, copy_map
+from ._facts import PciDevice, PciFacts, copy_map
 from ._groups import apply_groups, group_index
 from ._selectors import ACCELERATOR, PCI_DEVICE, PciSelector
 

@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ._discovery import PciDevice
+from ._facts import PciDevice
 
 PACKED = "packed"
 SPREAD = "spread"

@@ -28,7 +28,7 @@ from typing import TypedDict
 from daemon.core import ConfigError, ConfigObject
 from daemon.handlers._sriov_selectors import pf_selected, warn_entry_problems
 
-from ._discovery import PciDevice
+from ._facts import PciDevice
 
 log = logging.getLogger("devplugd.pci")
 
