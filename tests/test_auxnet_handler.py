@@ -189,13 +189,37 @@ def test_flags_apply_to_the_sfs_their_own_selector_object_admitted(aux_world: Au
     assert len(devices["mlx5_core.sf.7"].specs) == 4 and "rdma" in devices["mlx5_core.sf.7"].details.info
 
 
-def test_need_vhost_net_is_ignored_as_upstreams_aux_selectors_have_no_such_field(aux_world: AuxPools) -> None:
+VHOST_NET_SPECS = [("/dev/vhost-net", "/dev/vhost-net", "rw"), ("/dev/net/tun", "/dev/net/tun", "rw")]
+
+
+@pytest.mark.parametrize("nodes", [("vhost-net", "net/tun"), ("vhost-net",), ("net/tun",), ()])
+def test_need_vhost_net_allocates_vhost_net_and_tun_only_when_both_exist(aux_world: AuxPools,
+                                                                        nodes: tuple[str, ...]) -> None:
+    """As for a netDevice VF: upstream's generic net selectors have needVhostNet, auxNetDevice's too."""
+    standard_tree(aux_world.tree)
+    for node in nodes:
+        aux_world.host.add_dev_node(node)
+    sfs = aux_world.pool({"resourceName": "dpdk_sfs", "selectors": {**SF, "pfNames": ["p0#1"], "needVhostNet": True}})
+    answer = aux_world.allocate(sfs, ["mlx5_core.sf.6"])
+    both = len(nodes) == 2
+    assert [(spec.container_path, spec.host_path, spec.permissions) for spec in answer.specs] == (
+        VHOST_NET_SPECS if both else [])
+    vhost = ',"vhost":{"net-mount":"/dev/vhost-net","tun-mount":"/dev/net/tun"}' if both else ""
+    assert answer.envs == {
+        "PCIDEVICE_NVIDIA_COM_DPDK_SFS": "mlx5_core.sf.6",
+        "PCIDEVICE_NVIDIA_COM_DPDK_SFS_INFO": '{"mlx5_core.sf.6":{"generic":{"deviceID":"mlx5_core.sf.6"}' + vhost + "}}",
+    }
+
+
+def test_need_vhost_net_applies_to_the_sfs_its_own_selector_object_admitted(aux_world: AuxPools) -> None:
     standard_tree(aux_world.tree)
     for node in ("vhost-net", "net/tun"):
         aux_world.host.add_dev_node(node)
-    info = aux_world.build(aux_world.handler.scan(), pool("p", {"pfNames": ["p0#1"], "needVhostNet": True}))["p"]
-    (sf,) = info.values()
-    assert sf.specs == () and "vhost" not in sf.details.info
+    sfs = aux_world.pool(pool("p", {"pfNames": ["enp3s0f0np0"]}, {"needVhostNet": True}))
+    plain, vhost = aux_world.allocate(sfs, ["mlx5_core.sf.2"]), aux_world.allocate(sfs, ["mlx5_core.sf.7"])
+    assert plain.specs == [] and '"vhost"' not in plain.envs["PCIDEVICE_NVIDIA_COM_P_INFO"]
+    assert [(spec.container_path, spec.host_path, spec.permissions) for spec in vhost.specs] == VHOST_NET_SPECS
+    assert '"vhost":{"net-mount":"/dev/vhost-net","tun-mount":"/dev/net/tun"}' in vhost.envs["PCIDEVICE_NVIDIA_COM_P_INFO"]
 
 
 def test_an_unbound_pf_offers_no_sfs(aux_world: AuxPools) -> None:
@@ -244,19 +268,22 @@ def test_allocate_gives_specs_and_envs_byte_for_byte(aux_world: AuxPools, ram_ho
         ("/dev/infiniband/umad2", "/dev/infiniband/umad2", "rw"),
         ("/dev/infiniband/uverbs2", "/dev/infiniband/uverbs2", "rw"),
         ("/dev/infiniband/rdma_cm", "/dev/infiniband/rdma_cm", "rw"),
+        ("/dev/vhost-net", "/dev/vhost-net", "rw"),
+        ("/dev/net/tun", "/dev/net/tun", "rw"),
         ("/dev/infiniband/issm1", "/dev/infiniband/issm1", "rw"),
         ("/dev/infiniband/umad1", "/dev/infiniband/umad1", "rw"),
         ("/dev/infiniband/uverbs1", "/dev/infiniband/uverbs1", "rw"),
     ]
     rdma = '"rdma":{{"issm":"/dev/infiniband/issm{n}","rdma_cm":"/dev/infiniband/rdma_cm","rdma_dev":"mlx5_{m}",' \
            '"umad":"/dev/infiniband/umad{n}","uverbs":"/dev/infiniband/uverbs{n}"}}'
+    vhost = '"vhost":{"net-mount":"/dev/vhost-net","tun-mount":"/dev/net/tun"}'
     assert answer.envs == {
         "PCIDEVICE_NVIDIA_COM_RDMA_SFS": "mlx5_core.sf.7,mlx5_core.sf.2",
         "PCIDEVICE_NVIDIA_COM_RDMA_SFS_INFO":
             '{"mlx5_core.sf.2":{"extra":{"site":"rack1","x":"pf-a"},"generic":{"deviceID":"mlx5_core.sf.2"},'
-            + rdma.format(n=1, m=2) + "},"
+            + rdma.format(n=1, m=2) + "," + vhost + "},"
             '"mlx5_core.sf.7":{"extra":{"site":"rack1","x":"all"},"generic":{"deviceID":"mlx5_core.sf.7"},'
-            + rdma.format(n=2, m=3) + "}}",
+            + rdma.format(n=2, m=3) + "," + vhost + "}}",
     }
     assert answer.mounts == [] and answer.annotations == {}
     assert not (ram_host.root / "devinfo").exists()  # upstream writes no device-info file for SFs

@@ -6,16 +6,25 @@ auxnet handler) alike:
   request order, and ``..._INFO`` = ``{id: {provider: {key: value}}}`` as Go's json.Marshal
   writes it;
 * the providers of ``_INFO`` that do not depend on the kind of device, with their device specs:
-  ``extra`` (``additionalInfo``) and ``rdma`` (an ``isRdma`` selector: the RDMA character devices).
+  ``extra`` (``additionalInfo``), ``rdma`` (an ``isRdma`` selector: the RDMA character devices)
+  and ``vhost`` (a ``needVhostNet`` selector: ``/dev/vhost-net`` and ``/dev/net/tun``, both or
+  neither).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from daemon.core import DeviceSpec, device_list_env_name
+
+VHOST_NET = "/dev/vhost-net"
+NET_TUN = "/dev/net/tun"
+VHOST_NET_SPECS = (DeviceSpec(VHOST_NET, VHOST_NET), DeviceSpec(NET_TUN, NET_TUN))
+VHOST_NET_INFO: Mapping[str, str] = MappingProxyType({"net-mount": VHOST_NET, "tun-mount": NET_TUN})
 
 # Encoders are immutable once made; json.dumps with options would make one per call (every Allocate).
 _GO_MAP_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -78,3 +87,19 @@ def rdma_specs_and_info(
     rdma["rdma_dev"] = rdma_devices[0]
     return specs, rdma
 
+
+def vhost_net_available(dev_root: str) -> bool:
+    """Whether ``/dev/vhost-net`` and ``/dev/net/tun`` are both there (upstream drops both specs
+    when either is missing)."""
+    return os.path.exists(f"{dev_root}/vhost-net") and os.path.exists(f"{dev_root}/net/tun")
+
+
+def vhost_net_specs_and_info(
+    need_vhost_net: bool, available: bool
+) -> tuple[tuple[DeviceSpec, ...], dict[str, dict[str, str]]]:
+    """What ``needVhostNet`` adds to a device's answer: both nodes as specs and the ``vhost``
+    provider of ``_INFO`` (``net-mount``, ``tun-mount``) when the selector that admitted the
+    device sets it and both nodes are there (``available``); nothing otherwise."""
+    if not (need_vhost_net and available):
+        return (), {}
+    return VHOST_NET_SPECS, {"vhost": dict(VHOST_NET_INFO)}

@@ -6,7 +6,7 @@ plugin's pools of that type.
 "pfNames": ["p0#1-4"]}}`` offers each SF its selectors admit (see ``_selectors``; ``auxTypes`` is
 required and may only be ``["sf"]``), first pool and selector in file order winning. The device
 ID is the auxiliary device name, the NUMA node its PF's. Allocate gives the RDMA character devices
-(``isRdma``), plus
+(``isRdma``) and ``/dev/vhost-net`` with ``/dev/net/tun`` (``needVhostNet``), plus
 ``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs) and its ``_INFO`` JSON as upstream writes them; no
 device-info file (upstream writes none for this type). What this handler shares with the pci
 handler's netDevice pools (those envs and providers, the ``pfNames``/``rootDevices`` rule, the
@@ -40,7 +40,7 @@ from daemon.core import (
     UEvent,
 )
 from daemon.handlers._functions import PCIE_ROOT, RDMA_SUBSYSTEMS
-from daemon.handlers._sriov_allocation import allocation_envs
+from daemon.handlers._sriov_allocation import allocation_envs, vhost_net_available
 
 from ._discovery import AuxFacts, scan_aux
 from ._folding import fold_links, fold_uevent
@@ -86,7 +86,7 @@ class AuxNetHandler:
         return facts
 
     def build(self, facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]]) -> dict[str, DeviceMap]:
-        return build_pools(facts, pools)
+        return build_pools(facts, pools, vhost_net_available(self._dev_root))
 
     # PostAllocator: the default answer has the specs; add PCIDEVICE_* and its _INFO.
     def post_allocate(

@@ -8,8 +8,10 @@ device name; the NUMA node is the PF's. An SF is Unhealthy while its netdev's li
 administratively up without carrier.
 
 What an SF contributes to Allocate is worked out here too: the device specs (its RDMA character
-devices for an ``isRdma`` selector) and its ``_INFO`` entry (``generic``, ``rdma``, ``extra``; the
-``additionalInfo`` of ``"*"`` first, then of the PF's PCI address, which upstream keys SFs by).
+devices for an ``isRdma`` selector, ``/dev/vhost-net`` and ``/dev/net/tun`` for ``needVhostNet``
+when both exist, as for a netDevice VF) and its ``_INFO`` entry (``generic``, ``rdma``, ``vhost``,
+``extra``; the ``additionalInfo`` of ``"*"`` first, then of the PF's PCI address, which upstream
+keys SFs by).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec
-from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info
+from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info, vhost_net_specs_and_info
 
 from ._discovery import AuxFacts, ParentPf, ScalableFunction
 from ._selectors import AuxSelector
@@ -45,7 +47,7 @@ def health(sf: ScalableFunction, facts: AuxFacts) -> str:
 
 def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, facts: AuxFacts,
                    additional_info: Mapping[str, Mapping[str, str]] | None,
-                   ) -> tuple[tuple[DeviceSpec, ...], dict[str, dict[str, str]]]:
+                   vhost_available: bool) -> tuple[tuple[DeviceSpec, ...], dict[str, dict[str, str]]]:
     specs: list[DeviceSpec] = []
     info: dict[str, dict[str, str]] = {"generic": {"deviceID": sf.name}}
     if additional_info is not None:
@@ -53,10 +55,16 @@ def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, fa
     if selector.is_rdma and sf.rdma_devices:
         rdma_specs, info["rdma"] = rdma_specs_and_info(sf.rdma_devices, dict(sf.rdma_char_devices))
         specs.extend(rdma_specs)
+    vhost_specs, vhost_info = vhost_net_specs_and_info(selector.need_vhost_net, vhost_available)
+    specs.extend(vhost_specs)
+    info.update(vhost_info)
     return tuple(specs), info
 
 
-def build_pools(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]]) -> dict[str, DeviceMap]:
+def build_pools(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]],
+                vhost_available: bool) -> dict[str, DeviceMap]:
+    """The devices of each pool; ``vhost_available``: both ``/dev/vhost-net`` and ``/dev/net/tun``
+    are there (``needVhostNet`` hands out both or neither)."""
     devices: dict[str, dict[str, DeviceInfo]] = {pool.resource: {} for pool in pools}
     for name, sf in sorted(facts.sfs.items()):
         pf = facts.pfs.get(sf.pf_address)
@@ -66,7 +74,7 @@ def build_pools(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]]) -
         if placed is None:
             continue
         pool, selector = placed
-        specs, info = specs_and_info(sf, pf, selector, facts, pool.entry.additional_info)
+        specs, info = specs_and_info(sf, pf, selector, facts, pool.entry.additional_info, vhost_available)
         numa = pf.numa_node
         devices[pool.resource][name] = DeviceInfo(
             health=health(sf, facts),

@@ -3,15 +3,16 @@
 
 ``{"auxTypes": ["sf"], "vendors": ["15b3"], "devices": ["101d"], "drivers": ["mlx5_core"],
 "pfNames": ["enp3s0f0np0#0-7"], "rootDevices": ["0000:03:00.0#8"], "linkTypes": ["ether"],
-"isRdma": true}``: fields combine with AND, values inside one list with OR,
+"isRdma": true, "needVhostNet": true}``: fields combine with AND, values inside one list with OR,
 an empty list does not filter. ``vendors``, ``devices`` and ``drivers`` are those of the SF's
 parent PCI PF; ``auxTypes`` is required and may hold only ``"sf"`` (the middle part of the
 auxiliary name ``mlx5_core.sf.4``), as upstream's ``ValidConfig`` demands; ``pfNames`` (the PF's
 uplink representor) and ``rootDevices`` (the PF's address) take ``#`` ranges over the SF's
 ``sfnum`` (``daemon.handlers._sriov_selectors``); ``linkTypes`` is the SF netdev's link type (its
 PF's when it has none); ``isRdma`` keeps SFs with an RDMA device and hands out its character
-devices. Other keys are ignored, as upstream ignores them: ``needVhostNet`` among them, which
-upstream's auxNetDevice selectors do not have (only its netDevice ones).
+devices; ``needVhostNet`` (not a filter) adds ``/dev/vhost-net`` and ``/dev/net/tun``, as for a
+netDevice (upstream's generic net selectors have it, shared by both types). Other keys are
+ignored, as upstream ignores them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class AuxSelector:
     root_devices: tuple[str, ...] = ()
     link_types: tuple[str, ...] = ()
     is_rdma: bool = False
+    need_vhost_net: bool = False
 
     def matches(self, sf: ScalableFunction, pf: ParentPf) -> bool:
         if self.vendors and pf.vendor not in self.vendors:
@@ -86,6 +88,7 @@ def parse_selector(selector: ConfigObject) -> AuxSelector:
         root_devices=selector.string_list("rootDevices"),
         link_types=selector.string_list("linkTypes"),
         is_rdma=selector.get("isRdma", bool, False),
+        need_vhost_net=selector.get("needVhostNet", bool, False),
     )
     if len(parsed.link_types) > 1:
         log.warning("%s: more than one link type given", selector.path_of("linkTypes"))

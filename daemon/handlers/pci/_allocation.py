@@ -4,7 +4,7 @@
   no-IOMMU mode), uio, RDMA character devices, vhost-net/tun, a vhost vDPA device's
   ``/dev/vhost-vdpa-N``;
 * ``PCIDEVICE_<PREFIX>_<NAME>`` and its ``..._INFO`` (``daemon.handlers._sriov_allocation``,
-  which the auxnet handler's SFs share, with the ``extra`` and ``rdma`` providers);
+  which the auxnet handler's SFs share, with the ``extra``, ``rdma`` and ``vhost`` providers);
 * the Multus device-info file (``<prefix>-<name>-<id>-device.json``, spec 1.1.0) for netDevice
   pools, written at Allocate and removed when the pool stops: type ``vdpa`` for a device its
   selector took by ``vdpaType``, ``pci`` otherwise.
@@ -18,11 +18,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import MappingProxyType
 
 from daemon.core import DeviceSpec
 from daemon.handlers._functions import PCI_ADDRESS
-from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info
+from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info, vhost_net_specs_and_info
 
 from ._discovery import VfioBinding
 from ._facts import PciDevice, VdpaDevice
@@ -33,8 +32,6 @@ DEVINFO_VERSION = "1.1.0"
 VFIO_DRIVER = "vfio-pci"
 UIO_DRIVERS = frozenset({"uio", "igb_uio"})
 VFIO_CONTAINER = "/dev/vfio/vfio"
-VHOST_NET = "/dev/vhost-net"
-NET_TUN = "/dev/net/tun"
 IOMMU_NODE = "/dev/iommu"
 _VFIO_CONTAINER_SPEC = DeviceSpec(VFIO_CONTAINER, VFIO_CONTAINER)  # one object for every vfio device
 
@@ -104,10 +101,6 @@ def with_vfio_binding(details: PciDetails, binding: VfioBinding) -> PciDetails:
     return replace(details, device=device, info=info)
 
 
-VHOST_NET_SPECS = (DeviceSpec(VHOST_NET, VHOST_NET), DeviceSpec(NET_TUN, NET_TUN))
-VHOST_NET_INFO: Mapping[str, str] = MappingProxyType({"net-mount": VHOST_NET, "tun-mount": NET_TUN})
-
-
 def device_specs_and_info(
     device: PciDevice,
     *,
@@ -141,9 +134,9 @@ def device_specs_and_info(
         rdma_specs, info["rdma"] = rdma_specs_and_info(device.rdma_devices, rdma_char_devices)
         specs.extend(rdma_specs)
         rdma_device = ",".join(device.rdma_devices)
-    if need_vhost_net and vhost_available:
-        specs.extend(VHOST_NET_SPECS)
-        info["vhost"] = dict(VHOST_NET_INFO)
+    vhost_specs, vhost_info = vhost_net_specs_and_info(need_vhost_net, vhost_available)
+    specs.extend(vhost_specs)
+    info.update(vhost_info)
     if vdpa_type is not None and device.vdpa is not None:
         info["vdpa"] = {}
         if vdpa_path := vdpa_node_path(device.vdpa):

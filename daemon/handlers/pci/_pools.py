@@ -14,13 +14,13 @@ administratively up without carrier.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
 
 from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, LinkState
+from daemon.handlers._sriov_allocation import vhost_net_available
 
 from ._allocation import PciDetails, device_specs_and_info, iommufd_specs
 from ._ddp import read_ddp_profile
@@ -102,12 +102,9 @@ class PoolBuilder:
         self._dev_root = dev_root
         self._last: _Built | None = None
 
-    def _vhost_available(self) -> bool:
-        return os.path.exists(f"{self._dev_root}/vhost-net") and os.path.exists(f"{self._dev_root}/net/tun")
-
     def build(self, facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> dict[str, DeviceMap]:
         pools = tuple(pools)
-        vhost_available = self._vhost_available()
+        vhost_available = vhost_net_available(self._dev_root)
         last = self._last
         changes = None
         if last is not None and last.pools == pools and last.vhost_available == vhost_available:
