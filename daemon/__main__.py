@@ -1,19 +1,24 @@
-"""The command line: ``devplugd run|check-config|dra ...``. It only builds Settings and calls the app."""
+"""The command line: ``devplugd run|check-config|dra ...`` and the host API's client commands.
+It only builds Settings (from their fields, ``daemon.settings.option``) and calls the app."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import sys
-from collections.abc import Sequence
+import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from daemon import __version__
 from daemon.logs import LEVELS, configure_logging
-from daemon.settings import KUBELET_KUBECONFIG, REGISTRATION_MODES, Settings, dra_names_problem, parse_host_port
+from daemon.settings import KUBELET_KUBECONFIG, Settings, dra_names_problem
 
 DEFAULTS = Settings()
+CLIENT_COMMANDS = ("list", "watch", "allocate", "release", "leases", "clear-lost")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,59 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="serve the pools of a config file (in the foreground)")
-    run.add_argument("--config", type=Path, default=DEFAULTS.config_path,
-                     help="pool config file (default: %(default)s)")
-    run.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix,
-                     help="prefix of resource names without their own resourcePrefix (default: %(default)s)")
-    run.add_argument("--sysfs-root", type=Path, default=DEFAULTS.sysfs_root,
-                     help="where sysfs is read (default: %(default)s)")
-    run.add_argument("--dev-root", type=Path, default=DEFAULTS.dev_root,
-                     help="where device nodes are found (default: %(default)s)")
-    run.add_argument("--proc-root", type=Path, default=DEFAULTS.proc_root,
-                     help="where procfs is read, for IPv4 default routes (default: %(default)s)")
-    run.add_argument("--device-plugin-dir", type=Path, default=DEFAULTS.device_plugin_dir,
-                     help="the kubelet's device-plugin directory, with kubelet.sock (default: %(default)s)")
-    run.add_argument("--plugins-registry-dir", type=Path, default=DEFAULTS.plugins_registry_dir,
-                     help="the kubelet's plugin-watcher directory (default: %(default)s)")
-    run.add_argument("--registration", choices=REGISTRATION_MODES, default=DEFAULTS.registration,
-                     help="kubelet: Register on kubelet.sock; watcher: a socket under plugins_registry; "
-                          "none: serve sockets without registering; auto: watcher if the plugins_registry "
-                          "directory exists, else kubelet (default: %(default)s)")
-    run.add_argument("--devinfo-dir", type=Path, default=DEFAULTS.devinfo_dir,
-                     help="where Multus device-info files are written (default: %(default)s)")
-    run.add_argument("--cdi-dir", type=Path, default=DEFAULTS.cdi_dir, help="CDI spec directory (default: %(default)s)")
-    run.add_argument("--nfd-features-dir", type=Path, default=DEFAULTS.nfd_features_dir,
-                     help="node-feature-discovery's features.d: node labels per pool are written there when it "
-                          "exists (default: %(default)s)")
-    run.add_argument("--state-dir", type=Path, default=DEFAULTS.state_dir,
-                     help="state directory (default: %(default)s)")
-    run.add_argument("--uevent-source", default=DEFAULTS.uevent_source, metavar="auto|udev|kernel|none|unix:PATH",
-                     help="where uevents come from: udev (after udevd's rules), kernel (netlink, no udevd "
-                          "needed), auto (udev when udevd runs, else kernel), none, or unix:PATH (a datagram "
-                          "socket the daemon binds, fed in the kernel's wire format; for tests) "
-                          "(default: %(default)s)")
-    run.add_argument("--udev-data-dir", type=Path, default=DEFAULTS.udev_data_dir,
-                     help="udev's database, read for device properties and symlinks when the uevents come "
-                          "from udev (or unix:PATH) (default: %(default)s)")
-    run.add_argument("--control-socket", type=Path, default=DEFAULTS.control_socket,
-                     help="the host API's unix socket (default: %(default)s)")
-    run.add_argument("--control-group", default=None,
-                     help="group owning the control socket (mode 0660), so its members can use it")
-    run.add_argument("--cdi", action="store_true",
-                     help="also return CDI device names (cdi_devices) in the kubelet's Allocate answers")
-    run.add_argument("--dra-driver", default=DEFAULTS.dra_driver,
-                     help="DRA driver name: spec.driver of our ResourceSlices, a DNS subdomain of at most 63 "
-                          "characters (default: %(default)s)")
-    run.add_argument("--node-name", default=None,
-                     help="this node's Kubernetes name (default: $NODE_NAME, else the host name in lower case)")
-    run.add_argument("--kubeconfig", type=Path, default=None,
-                     help=f"the API server's address and credentials, for DRA pools (default: $KUBECONFIG, else "
-                          f"{KUBELET_KUBECONFIG} when it exists, else the in-cluster service account)")
-    run.add_argument("--dra-plugin-dir", type=Path, default=DEFAULTS.dra_plugin_dir,
-                     help="the kubelet's DRA plugin directory: our socket is DIR/<driver>/dra.sock "
-                          "(default: %(default)s)")
-    run.add_argument("--metrics-address", type=_host_port, default=None, metavar="HOST:PORT",
-                     help="serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics server)")
+    _add_settings(run)
     run.add_argument("--log-level", choices=LEVELS, default="info", help="(default: %(default)s)")
 
     socket_help = f"the daemon's control socket (default: {DEFAULTS.control_socket})"
@@ -98,7 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     release.add_argument("lease")
     leases = commands.add_parser("leases", help="the host leases in force")
     leases.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    for sub in (listing, watch, allocate, release, leases):
+    clear = commands.add_parser(
+        "clear-lost", help="a book (leases, claims) whose file could not be read holds every device it could have "
+        "held; say its devices are free, and they are offered again")
+    clear.add_argument("book", choices=("leases", "claims"))
+    clear.add_argument("--operator", help="who says so, for the log (default: USER@HOSTNAME)")
+    for sub in (listing, watch, allocate, release, leases, clear):
         sub.add_argument("--control-socket", type=Path, default=DEFAULTS.control_socket, help=socket_help)
 
     check = commands.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
@@ -121,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
-    if arguments.command in ("list", "watch", "allocate", "release", "leases"):
+    if arguments.command in CLIENT_COMMANDS:
         return _client_command(arguments)
     from daemon import app  # after argument parsing, so --help and --version stay fast
 
@@ -137,38 +95,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem := dra_names_problem(arguments.dra_driver, arguments.node_name):
         print(f"devplugd: {problem}", file=sys.stderr)
         return app.EXIT_BAD_CONFIG
-    settings = Settings(
-        config_path=arguments.config,
-        resource_prefix=arguments.resource_prefix,
-        sysfs_root=arguments.sysfs_root,
-        dev_root=arguments.dev_root,
-        proc_root=arguments.proc_root,
-        device_plugin_dir=arguments.device_plugin_dir,
-        plugins_registry_dir=arguments.plugins_registry_dir,
-        registration=arguments.registration,
-        devinfo_dir=arguments.devinfo_dir,
-        cdi_dir=arguments.cdi_dir,
-        nfd_features_dir=arguments.nfd_features_dir,
-        state_dir=arguments.state_dir,
-        uevent_source=arguments.uevent_source,
-        udev_data_dir=arguments.udev_data_dir,
-        control_socket=arguments.control_socket,
-        control_group=arguments.control_group,
-        cdi_in_allocate=arguments.cdi,
-        dra_driver=arguments.dra_driver,
-        node_name=node_name,
-        kubeconfig=_kubeconfig(arguments.kubeconfig),
-        dra_plugin_dir=arguments.dra_plugin_dir,
-        metrics_address=arguments.metrics_address,
-    )
+    given = {f.name: getattr(arguments, f.name) for f in dataclasses.fields(Settings) if "flag" in f.metadata}
+    settings = Settings(**{**given, "node_name": node_name, "kubeconfig": _kubeconfig(arguments.kubeconfig)})
     return app.run(settings)
 
 
-def _host_port(text: str) -> tuple[str, int]:
-    try:
-        return parse_host_port(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _add_settings(run: argparse.ArgumentParser) -> None:
+    """One flag per Settings field that has one (``daemon.settings.option``), in field order."""
+    types = typing.get_type_hints(Settings)
+    for setting in dataclasses.fields(Settings):
+        if "flag" not in setting.metadata:
+            continue
+        keywords = dict(setting.metadata["argparse"])
+        if "action" not in keywords and "choices" not in keywords:  # named as the flag: --config CONFIG
+            keywords.setdefault("metavar", setting.metadata["flag"].lstrip("-").upper().replace("-", "_"))
+        if "type" in keywords:
+            keywords["type"] = _argument_type(keywords["type"])
+        elif "action" not in keywords and Path in (types[setting.name], *typing.get_args(types[setting.name])):
+            keywords["type"] = Path
+        run.add_argument(setting.metadata["flag"], dest=setting.name, default=setting.default,
+                         help=setting.metadata["help"], **keywords)
+
+
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with its ValueError told the way argparse tells a bad value."""
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parsed
 
 
 def _kubeconfig(given: Path | None) -> Path | None:
@@ -193,6 +149,8 @@ def _client_command(arguments: argparse.Namespace) -> int:
                                  arguments.devices, arguments.owner, arguments.numa_node, arguments.output)
     if arguments.command == "release":
         return client.run_client(client.command_release, socket, arguments.lease)
+    if arguments.command == "clear-lost":
+        return client.run_client(client.command_clear_lost, socket, arguments.book, arguments.operator)
     return client.run_client(client.command_leases, socket, arguments.output)
 
 

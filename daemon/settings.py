@@ -1,9 +1,14 @@
-"""Every setting of one daemon, built once by the CLI and passed down (no globals)."""
+"""Every setting of one daemon, built once by the CLI and passed down (no globals).
+
+Each setting is written once, here: its default, and for those ``devplugd run`` takes, its flag
+and help (``option``); the CLI builds its parser and the Settings from these fields.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from daemon.core import dns_subdomain_problem
 
@@ -14,34 +19,75 @@ KUBELET_KUBECONFIG = Path("/etc/kubernetes/kubelet.conf")
 DRA_SOCKET_NAME = "dra.sock"
 
 
+def option(default: Any, flag: str, help: str, *, show_default: bool = True, **argparse: Any) -> Any:
+    """A setting ``devplugd run`` takes as ``flag`` (``argparse``: add_argument's other keywords)."""
+    text = f"{help} (default: %(default)s)" if show_default else help
+    return field(default=default, metadata={"flag": flag, "help": text, "argparse": argparse})
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:9464``) as (host, port); ValueError if not."""
+    host, colon, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class Settings:
-    config_path: Path = Path("/etc/devplugd/config.json")
-    resource_prefix: str = "intel.com"
-    sysfs_root: Path = Path("/sys")
-    dev_root: Path = Path("/dev")
-    proc_root: Path = Path("/proc")
-    device_plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
-    plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
-    registration: str = "auto"
-    devinfo_dir: Path = Path("/var/run/k8s.cni.cncf.io/devinfo/dp")
-    cdi_dir: Path = Path("/var/run/cdi")
-    nfd_features_dir: Path = Path("/etc/kubernetes/node-feature-discovery/features.d")
-    state_dir: Path = Path("/var/lib/devplugd")
-    uevent_source: str = "auto"
-    udev_data_dir: Path = Path("/run/udev/data")
-    control_socket: Path = Path("/run/devplugd/control.sock")
-    control_group: str | None = None
-    cdi_in_allocate: bool = False
+    config_path: Path = option(Path("/etc/devplugd/config.json"), "--config", "pool config file")
+    resource_prefix: str = option("intel.com", "--resource-prefix",
+                                  "prefix of resource names without their own resourcePrefix")
+    sysfs_root: Path = option(Path("/sys"), "--sysfs-root", "where sysfs is read")
+    dev_root: Path = option(Path("/dev"), "--dev-root", "where device nodes are found")
+    proc_root: Path = option(Path("/proc"), "--proc-root", "where procfs is read, for IPv4 default routes")
+    device_plugin_dir: Path = option(Path("/var/lib/kubelet/device-plugins"), "--device-plugin-dir",
+                                     "the kubelet's device-plugin directory, with kubelet.sock")
+    plugins_registry_dir: Path = option(Path("/var/lib/kubelet/plugins_registry"), "--plugins-registry-dir",
+                                        "the kubelet's plugin-watcher directory")
+    registration: str = option(
+        "auto", "--registration", "kubelet: Register on kubelet.sock; watcher: a socket under plugins_registry; "
+        "none: serve sockets without registering; auto: watcher if the plugins_registry directory exists, else "
+        "kubelet", choices=REGISTRATION_MODES)
+    devinfo_dir: Path = option(Path("/var/run/k8s.cni.cncf.io/devinfo/dp"), "--devinfo-dir",
+                               "where Multus device-info files are written")
+    cdi_dir: Path = option(Path("/var/run/cdi"), "--cdi-dir", "CDI spec directory")
+    nfd_features_dir: Path = option(
+        Path("/etc/kubernetes/node-feature-discovery/features.d"), "--nfd-features-dir",
+        "node-feature-discovery's features.d: node labels per pool are written there when it exists")
+    state_dir: Path = option(Path("/var/lib/devplugd"), "--state-dir",
+                             "state directory: the lease and claim books")
+    uevent_source: str = option(
+        "auto", "--uevent-source", "where uevents come from: udev (after udevd's rules), kernel (netlink, no "
+        "udevd needed), auto (udev when udevd runs, else kernel), none, or unix:PATH (a datagram socket the "
+        "daemon binds, fed in the kernel's wire format; for tests)", metavar="auto|udev|kernel|none|unix:PATH")
+    udev_data_dir: Path = option(Path("/run/udev/data"), "--udev-data-dir",
+                                 "udev's database, read for device properties and symlinks when the uevents "
+                                 "come from udev (or unix:PATH)")
+    control_socket: Path = option(Path("/run/devplugd/control.sock"), "--control-socket",
+                                  "the host API's unix socket")
+    control_group: str | None = option(None, "--control-group", "group owning the control socket (mode 0660), "
+                                       "so its members can use it", show_default=False)
+    cdi_in_allocate: bool = option(False, "--cdi", "also return CDI device names (cdi_devices) in the kubelet's "
+                                   "Allocate answers", show_default=False, action="store_true")
     register_timeout: float = 20.0
     # DRA: the driver name (ResourceSlice spec.driver), this node, the API server's credentials
     # (None: the in-cluster service account) and where the kubelet finds DRA plugin sockets
-    dra_driver: str = DEFAULT_DRA_DRIVER
-    node_name: str = "localhost"
-    kubeconfig: Path | None = None
-    dra_plugin_dir: Path = Path("/var/lib/kubelet/plugins")
+    dra_driver: str = option(DEFAULT_DRA_DRIVER, "--dra-driver", "DRA driver name: spec.driver of our "
+                             "ResourceSlices, a DNS subdomain of at most 63 characters")
+    node_name: str = option("localhost", "--node-name", "this node's Kubernetes name (default: $NODE_NAME, else "
+                            "the host name in lower case)", show_default=False)
+    kubeconfig: Path | None = option(
+        None, "--kubeconfig", f"the API server's address and credentials, for DRA pools (default: $KUBECONFIG, "
+        f"else {KUBELET_KUBECONFIG} when it exists, else the in-cluster service account)", show_default=False)
+    dra_plugin_dir: Path = option(Path("/var/lib/kubelet/plugins"), "--dra-plugin-dir",
+                                  "the kubelet's DRA plugin directory: our socket is DIR/<driver>/dra.sock")
     # where Prometheus scrapes /metrics (host, port); None: no metrics server
-    metrics_address: tuple[str, int] | None = None
+    metrics_address: tuple[str, int] | None = option(
+        None, "--metrics-address", "serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics "
+        "server)", show_default=False, metavar="HOST:PORT", type=parse_host_port)
 
     @property
     def kubelet_socket(self) -> Path:
@@ -62,16 +108,6 @@ class Settings:
         if self.registration != "auto":
             return self.registration
         return "watcher" if self.plugins_registry_dir.is_dir() else "kubelet"
-
-
-def parse_host_port(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 host in brackets: ``[::1]:9464``) as (host, port); ValueError if not."""
-    host, colon, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{text!r} is not HOST:PORT")
-    return host, int(port)
 
 
 def dra_names_problem(driver: str, node_name: str | None) -> str | None:

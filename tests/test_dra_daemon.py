@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from daemon.dra import device_name
@@ -324,3 +325,65 @@ def test_health_reaches_the_kubelet_and_a_prepared_vf_that_vanishes_stays_unheal
     # the next full list no longer has it (the kubelet lets an unreported device time out)
     dra_kubelet.wait_for(lambda k: set(k.dra_state(DRIVER).health_messages[-1]) == {(POOL, device_name(vfs[1]))},
                          what="a health list without the gone VF")
+
+
+def test_a_kubelet_allocate_naming_a_device_a_claim_holds_is_refused_by_the_claims_name(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    """A pool moved back to the device-plugin API while a claim holds one of its VFs: the list
+    leaves it out, and an Allocate naming it anyway (a stale list, a kubelet restart) is refused
+    with the claim's name, never granted."""
+    vfs = create_vfs(host, None, 0, 2)
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    wait_published(api, names(*vfs))
+    ref = claim(api, "holds-it", vfs[1])
+    dra_kubelet.prepare([ref])
+    config_path = short_tmp / "config-0.json"
+    config_path.write_text(json.dumps(config("devicePlugin")))
+    daemon.process.send_signal(signal.SIGHUP)
+    assert set(dra_kubelet.wait_for_devices(RESOURCE, 1).devices) == {vfs[0]}
+    with pytest.raises(grpc.RpcError) as refused:
+        dra_kubelet.allocate(RESOURCE, [vfs[1]])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"'{vfs[1]}' is held by the DRA claim default/holds-it" in refused.value.details()
+    assert dra_kubelet.allocate(RESOURCE, [vfs[0]]).container_responses[0].envs
+
+
+def test_a_lost_claim_book_holds_the_dra_devices_until_its_claims_are_unprepared_or_it_is_cleared(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    """The claim checkpoint is unreadable and the claims' CDI specs say two were prepared: the
+    kubelet prepares the one it knows again (its devices are known then), but which devices the
+    other holds is unknown, so the DRA pool publishes none and no lease gets one, until the
+    operator says they are free."""
+    vfs = create_vfs(host, None, 0, 2)
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    wait_published(api, names(*vfs))
+    ref = claim(api, "before", vfs[0])
+    dra_kubelet.prepare([ref])
+    assert daemon.stop() == 0
+    (short_tmp / "state" / "dra-claims.json").write_bytes(b"\xff{ torn")
+    spec = short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json"
+    (short_tmp / "cdi" / "devplugd-claim-0c1a1m00-0000-4000-8000-00000000dead.json").write_bytes(spec.read_bytes())
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER, registrations=2)
+    # no device offered anew: the pool is there, empty
+    api.wait_until(lambda: api.slices(driver=DRIVER) and published(api) == {}, 10, "the pool published empty")
+    socket = short_tmp / "control.sock"
+    wait_for_control(socket)
+    listed = control_cli(socket, "list", "-o", "json")
+    (pool,) = [p for p in json.loads(listed.stdout) if p["resource"] == RESOURCE]
+    assert {d["holder"] for d in pool["devices"]} == {"lost-claim-book"}
+    assert "LOST BOOK: the claim book" in listed.stderr
+    refused = control_cli(socket, "allocate", RESOURCE, "--device", vfs[1])
+    assert refused.returncode == 1 and "is held by the lost claim book" in refused.stderr
+    other = claim(api, "after", vfs[1])
+    assert "not prepared" in dra_kubelet.prepare([other], fail_on_claim_error=False)[other[1]].error
+    assert "Traceback" not in daemon.log
+    assert control_cli(socket, "clear-lost", "claims").returncode == 0
+    wait_published(api, names(*vfs))
+    assert dra_kubelet.prepare([other])[other[1]].devices

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.daemonrun import REPO_ROOT, control_cli, daemon_command
@@ -107,6 +108,19 @@ def test_a_device_the_kubelet_allocated_is_refused(sriov, short_tmp, kubelet, ru
     assert VFS[1] not in granted["devices"]
 
 
+def test_a_kubelet_allocate_naming_a_leased_device_is_refused_by_the_lease(sriov, short_tmp, kubelet, run_daemon):
+    run_daemon(CONFIG, "--uevent-source", "none")
+    kubelet.wait_for_devices("intel.com/dpdk", 4)
+    lease = json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[2], "--owner", "vm-9",
+                           "-o", "json").stdout)
+    kubelet.wait_for_devices("intel.com/dpdk", 3)
+    with pytest.raises(grpc.RpcError) as refused:  # a stale list: the kubelet names it anyway
+        kubelet.allocate("intel.com/dpdk", [VFS[2]])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"'{VFS[2]}' is held by host lease {lease['lease']} (owner vm-9)" in refused.value.details()
+    assert "unknown" not in refused.value.details()
+
+
 def test_leases_survive_a_restart_and_kill_9(sriov, short_tmp, run_daemon):
     daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
     wait_for_control(short_tmp)
@@ -169,6 +183,41 @@ def test_a_corrupt_lease_file_is_moved_aside_and_the_daemon_starts(sriov, short_
     assert json.loads(cli(short_tmp, "leases", "-o", "json").stdout) == []
     assert list((short_tmp / "state").glob("leases.json.corrupt-*"))
     daemon.wait_for_log("is corrupt")
+
+
+@pytest.mark.parametrize("content", [b'{"leases": [{"lease": ', b"\xff\xfe\x00 not text", b'{"version": 1}'],
+                         ids=["torn", "not-utf8", "no-list"])
+def test_a_lost_lease_book_holds_every_device_until_an_operator_clears_it(sriov, short_tmp, kubelet, run_daemon,
+                                                                          content):
+    """Nobody can tell which devices the unreadable book held: none is offered anew on any road
+    (the kubelet's list, new leases) until `devplugd clear-lost leases`; then all are again."""
+    (short_tmp / "state").mkdir()
+    (short_tmp / "state" / "leases.json").write_bytes(content)
+    daemon = run_daemon(CONFIG, "--uevent-source", "none")
+    wait_for_control(short_tmp)
+    (aside,) = (short_tmp / "state").glob("leases.json.corrupt-*")
+    assert aside.read_bytes() == content  # kept for the operator
+    kubelet.wait_for(lambda k: "intel.com/dpdk" in k.resources and k.resources["intel.com/dpdk"].registrations,
+                     what="registered")
+    time.sleep(0.3)
+    assert kubelet.state("intel.com/dpdk").devices == {}  # nothing offered to the kubelet
+    listed = cli(short_tmp, "list", "-o", "json")
+    assert {d["holder"] for d in json.loads(listed.stdout)[0]["devices"]} == {"lost-lease-book"}
+    assert f"LOST BOOK: the lease book {short_tmp / 'state' / 'leases.json'}" in listed.stderr
+    assert str(aside) in cli(short_tmp, "leases").stderr
+    refused = cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[0])
+    assert refused.returncode == 1 and "is held by the lost lease book" in refused.stderr
+    assert "devplugd clear-lost leases" in refused.stderr
+    assert "0 free (4 held by a lost book)" in cli(short_tmp, "allocate", "intel.com/dpdk").stderr  # why none is
+    assert daemon.process.poll() is None and "Traceback" not in daemon.log
+    cleared = cli(short_tmp, "clear-lost", "leases", "--operator", "ops@node1")
+    assert cleared.returncode == 0 and "cleared" in cleared.stdout
+    kubelet.wait_for_devices("intel.com/dpdk", 4)
+    assert cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[0]).returncode == 0
+    assert {d["holder"] for d in json.loads(cli(short_tmp, "list", "-o", "json").stdout)[0]["devices"]} == {
+        "free", "lease"}
+    daemon.wait_for_log("cleared by ops@node1")
+    assert "not lost" in cli(short_tmp, "clear-lost", "leases").stdout
 
 
 def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_daemon, seam):

@@ -289,3 +289,15 @@ def test_a_scrape_has_no_created_series(run_daemon, seam):
     assert "devplugd_kernel_events_total" in text and "devplugd_event_to_listandwatch_seconds" in text
     assert "_created" not in text
     assert daemon.stop() == 0
+
+
+def test_a_lost_lease_book_is_a_metric_until_it_is_cleared(host, kubelet, run_daemon, seam, short_tmp):
+    (short_tmp / "state").mkdir()
+    (short_tmp / "state" / "leases.json").write_text("{ torn")
+    host.add_pf(PF, netdev="ens1f0")
+    create_vfs(host, None, 0, 2)
+    daemon, url = start(run_daemon, seam)
+    text = scrape_until(daemon, url, lambda t: value(t, "devplugd_lost_books", book="lease") == 1, "lease book lost")
+    assert value(text, "devplugd_lost_books", book="claim") == 0
+    assert control_cli(short_tmp / "control.sock", "clear-lost", "leases").returncode == 0
+    scrape_until(daemon, url, lambda t: value(t, "devplugd_lost_books", book="lease") == 0, "lease book cleared")

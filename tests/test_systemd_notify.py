@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemonrun import REPO_ROOT
+from tests.daemonrun import REPO_ROOT, control_cli
 from tests.fakesysfs import FakeHost
 from tests.notify import NotifySocket
 
@@ -138,3 +138,16 @@ def test_no_watchdog_pings_unless_systemd_asks(notify, start_daemon):
     start_daemon()
     notify.read_until(lambda m: m == "READY=1")
     assert "WATCHDOG=1" not in notify.drain(0.5)
+
+
+def test_a_lost_book_is_in_the_status_line_until_it_is_cleared(short_tmp, notify, start_daemon):
+    (short_tmp / "state").mkdir()
+    (short_tmp / "state" / "leases.json").write_bytes(b"\xff\xfe")
+    start_daemon()
+    status = notify.read_until(lambda m: m.startswith("STATUS=") and "LOST BOOK" in m)
+    assert status.startswith("STATUS=2 pools, 4 devices, 0 unhealthy; kubelet: ")
+    assert f"; LOST BOOK: the lease book {short_tmp / 'state' / 'leases.json'} is corrupt" in status
+    assert "moved aside to" in status
+    cleared = control_cli(short_tmp / "control.sock", "clear-lost", "leases")
+    assert cleared.returncode == 0, cleared.stderr
+    notify.read_until(lambda m: m == "STATUS=2 pools, 4 devices, 0 unhealthy; kubelet: not connected")

@@ -18,7 +18,8 @@ from collections.abc import Mapping, MutableSet, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from daemon.core import HEALTHY, AttributeValue, DeviceDescriber, DeviceInfo, ResourcePool, dns_subdomain_problem
+from daemon.core import AttributeValue, DeviceDescriber, DeviceInfo, ResourcePool, dns_subdomain_problem
+from daemon.holdings import SLICE_ASKS, refusal
 
 from ._names import device_name
 
@@ -106,8 +107,9 @@ def slice_devices(
     memo: dict[str, tuple[DeviceInfo, dict[str, Any]]] | None = None,
 ) -> list[dict[str, Any]]:
     """The ``devices[]`` entries ``pool`` publishes, in the order ListAndWatch lists them (by
-    device ID): every Healthy device that has not vanished and that no other road holds (a
-    host lease, a pod through the device-plugin API), as ``{"name": device_name(id),
+    device ID): every device the one availability rule offers to the slices
+    (``daemon.holdings.refusal``: Healthy, not vanished, held by no other road: a host lease, a
+    pod through the device-plugin API, a lost book), as ``{"name": device_name(id),
     "attributes": {...}}``. Devices prepared for claims stay: the scheduler allocated them from
     these slices and counts them allocated through their claims; taking them out would only
     rewrite the pool at every pod start.
@@ -138,8 +140,7 @@ def slice_devices(
     names: dict[str, str] = {}  # device name -> the device ID that has it
     remembered: dict[str, tuple[DeviceInfo, dict[str, Any]]] = {}
     for device_id, info in sorted(pool.devices.items()):
-        if info.health != HEALTHY or device_id in pool.vanished or device_id in pool.leased or (
-                device_id in pool.kubelet_held):
+        if refusal(pool, device_id, SLICE_ASKS) is not None:
             continue
         numa_nodes = info.numa_nodes
         name = device_name(device_id)

@@ -19,7 +19,7 @@ from trio_asyncio import trio_as_aio
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon.cdi import with_cdi_names
 from daemon.core import AllocationError, AnyHandler, HandlerFailed, Hooks, Notifier, ResourcePool, allocate_container
-from daemon.holdings import LEASE_ASKS, UNKNOWN, Holdings, Refusal, refusal
+from daemon.holdings import KUBELET_HELD, LEASE_ASKS, LOST_BOOK, UNKNOWN, VANISHED, Holdings, Refusal, refusal
 from daemon.sockets import refuse
 
 from ._leases import Lease, LeaseBook, LeaseError, NotEnoughFree
@@ -140,11 +140,15 @@ async def _refused(context: grpc.aio.ServicerContext[host.ReleaseRequest, host.R
     await refuse(context, code, message)
 
 
+_SAID = {KUBELET_HELD: "held by pods", LOST_BOOK: "held by a lost book", VANISHED: "gone"}
+
+
 def _not_free(refused: Mapping[str, Refusal]) -> str:
     """Why the devices that are not free are not, counted by reason: `` (3 leased, 1 unhealthy)``."""
     reasons: dict[str, int] = {}
     for why in refused.values():
-        reasons[why.reason] = reasons.get(why.reason, 0) + 1
+        said = _SAID.get(why.reason, why.reason)
+        reasons[said] = reasons.get(said, 0) + 1
     if not reasons:
         return ""
     return " (" + ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items())) + ")"

@@ -1,4 +1,5 @@
-"""The host-side commands: ``devplugd list|watch|allocate|release|leases`` over the control socket.
+"""The host-side commands: ``devplugd list|watch|allocate|release|leases|clear-lost`` over the
+control socket.
 
 Human tables by default, JSON for scripts. Exit codes: 0 done; 1 refused by the daemon (the
 reason on stderr); 3 the daemon is not running (nothing listens on the control socket).
@@ -55,10 +56,16 @@ def _print_table(rows: list[list[str]], header: list[str]) -> None:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
+def _tell_lost(lost_books: list[str]) -> None:
+    for lost in lost_books:
+        print(f"devplugd: LOST BOOK: {lost}", file=sys.stderr)
+
+
 def command_list(control_socket: Path, output: str) -> int:
     channel, stub = _stub(control_socket)
     with channel:
         response = stub.List(host.ListRequest(), timeout=TIMEOUT)
+    _tell_lost(list(response.lost_books))
     pools = [{"resource": p.resource, "allocation_api": p.allocation_api or "devicePlugin",
               "devices": [_device_json(d) for d in p.devices]} for p in response.pools]
     if output == "json":
@@ -133,6 +140,7 @@ def command_leases(control_socket: Path, output: str) -> int:
     channel, stub = _stub(control_socket)
     with channel:
         response = stub.Leases(host.LeasesRequest(), timeout=TIMEOUT)
+    _tell_lost([response.lost] if response.lost else [])
     leases = [describe_lease(lease) for lease in response.leases]
     if output == "json":
         print(json.dumps(leases, indent=1))
@@ -140,6 +148,16 @@ def command_leases(control_socket: Path, output: str) -> int:
     _print_table([[x["lease"], x["resource"], x["owner"], ",".join(x["devices"]),
                    ("missing: " + ",".join(x["missing_devices"])) if x["missing_devices"] else ""] for x in leases],
                  ["LEASE", "RESOURCE", "OWNER", "DEVICES", ""])
+    return EXIT_OK
+
+
+def command_clear_lost(control_socket: Path, book: str, operator: str | None) -> int:
+    """Tell the daemon that the devices a lost book held are free: they are offered again."""
+    channel, stub = _stub(control_socket)
+    with channel:
+        answer = stub.ClearLost(host.ClearLostRequest(book=book, operator=operator or default_owner()),
+                                timeout=TIMEOUT)
+    print(f"devplugd: {answer.message}")
     return EXIT_OK
 
 
