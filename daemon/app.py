@@ -51,7 +51,7 @@ from daemon.core import (
     parser_table,
     tell_lifecycle,
 )
-from daemon.deviceplugin import Endpoints
+from daemon.deviceplugin import Endpoints, directory_problem
 from daemon.dra import ClaimBook, DraDriver
 from daemon.holdings import Holdings
 from daemon.host import Granter, HostServicer, LeaseBook, serve_control_socket
@@ -60,6 +60,7 @@ from daemon.metrics import Metrics, MetricsServer, without_created_series
 from daemon.nfd import NfdFeatures
 from daemon.service import ServiceManager, StatusReporter
 from daemon.settings import Settings, dra_names_problem
+from daemon.sockets import socket_path_problem
 from daemon.sources.inotify import InotifySource
 from daemon.sources.links import LinkSource
 from daemon.sources.uevents import carries_udev_properties, make_uevent_source, resolve_uevent_source
@@ -115,6 +116,9 @@ def run(settings: Settings) -> int:
     if config.dra_pools and (problem := dra_names_problem(settings.dra_driver, settings.node_name)):
         log.error("%s: needed for the DRA pools of %s", problem, config.source)
         return EXIT_BAD_CONFIG
+    if problem := _socket_problem(settings, bool(config.dra_pools)):
+        log.error("%s", problem)
+        return EXIT_BAD_CONFIG
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)
     log.info("config %s: %d pools", config.source, len(config.pools))
@@ -132,6 +136,23 @@ def run(settings: Settings) -> int:
         if metrics_server is not None:
             metrics_server.close()
     return EXIT_OK
+
+
+def _socket_problem(settings: Settings, dra: bool) -> str | None:
+    """Why a socket the daemon must serve cannot be served where the settings put it: every
+    one is a gRPC server, and gRPC has a shorter limit than the kernel (``GRPC_PATH_MAX``)."""
+    if problem := socket_path_problem(settings.control_socket):
+        return f"--control-socket: {problem}"
+    directory = settings.plugins_registry_dir if settings.effective_registration() == "watcher" \
+        else settings.device_plugin_dir
+    if problem := directory_problem(directory):
+        return f"device-plugin sockets: {problem}"
+    if dra:
+        for flag, path in (("--dra-plugin-dir", settings.dra_socket),
+                           ("--plugins-registry-dir", settings.dra_registration_socket)):
+            if problem := socket_path_problem(path):
+                return f"{flag}: the DRA driver's socket: {problem}"
+    return None
 
 
 def _serve_metrics(settings: Settings, metrics: Metrics) -> MetricsServer | None:

@@ -30,7 +30,7 @@ from daemon.core import AnyHandler, DeviceTree, Hooks, Notifier
 from daemon.holdings import HolderLookup
 from daemon.metrics import Metrics
 from daemon.settings import Settings
-from daemon.sockets import SOCKET_PREFIX, SUN_PATH_MAX, remove_socket_file
+from daemon.sockets import SOCKET_PREFIX, remove_socket_file, socket_path_problem
 from daemon.supervise import Backoff
 
 from ._registration import register_with_kubelet, start_grpc_server, watcher_registration
@@ -42,13 +42,23 @@ STOP_GRACE = 0.2
 
 
 def socket_file_name(resource: str, suffix: str, directory: Path) -> str:
-    """``devplugd-<prefix>_<name>[-suffix].sock``, hashed when the path would not fit sun_path."""
+    """``devplugd-<prefix>_<name>[-suffix].sock``, hashed when the path would be longer than gRPC
+    serves (``GRPC_PATH_MAX``)."""
     readable = resource.replace("/", "_")
     tail = f"-{suffix}.sock" if suffix else ".sock"
     name = f"{SOCKET_PREFIX}{readable}{tail}"
-    if len(str(directory / name)) > SUN_PATH_MAX:
+    if socket_path_problem(directory / name):
         name = f"{SOCKET_PREFIX}{hashlib.sha256(resource.encode()).hexdigest()[:16]}{tail}"
     return name
+
+
+def directory_problem(directory: Path) -> str | None:
+    """Why no endpoint can be served in ``directory`` (even hashed, its socket paths would be
+    longer than gRPC serves), or ``None``."""
+    longest = directory / socket_file_name("x" * 300, f"{'f' * 12}.{10**9}", directory)
+    if problem := socket_path_problem(longest):
+        return f"the sockets of {directory} would not fit: {problem}"
+    return None
 
 
 class Kick:

@@ -39,7 +39,7 @@ from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from daemon.registration import PluginRegistrationServicer
 from daemon.settings import Settings
-from daemon.sockets import SUN_PATH_MAX, remove_socket_file, start_unix_server
+from daemon.sockets import remove_socket_file, socket_path_problem, start_unix_server
 from daemon.supervise import Backoff
 
 from ._health import HealthServicer
@@ -217,8 +217,8 @@ class DraSockets:
                                                     server)
 
     async def _serve(self, path: Path, add_services: Callable[[grpc.aio.Server], None]) -> _Served:
-        if len(str(path)) > SUN_PATH_MAX:
-            raise OSError(f"{path} is longer than a unix socket path can be ({SUN_PATH_MAX} bytes)")
+        if problem := socket_path_problem(path):
+            raise OSError(problem)
         path.parent.mkdir(mode=PLUGIN_DIR_MODE, parents=True, exist_ok=True)
         remove_socket_file(path)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
