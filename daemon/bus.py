@@ -13,15 +13,12 @@ of that handler (a full scan says everything they would).
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Hashable
 
 import trio
 
 from daemon.core import ClaimsChanged, DeviceChanged, Event, LeasesChanged, Resync
-
-log = logging.getLogger("devplugd.bus")
 
 MAX_FILED = 4096
 

@@ -15,7 +15,8 @@ import pytest
 import trio
 
 from daemon.core import Event, Resync, UEvent
-from daemon.sources.uevents import KernelUEventSource, raise_receive_buffer
+from daemon.sources._netlink import raise_receive_buffer
+from daemon.sources.uevents import KernelUEventSource
 from tests.uevents import BLOCK, MadeDevices, ZramDevices, about, next_matching, running
 
 LOOP_CONTROL = Path("/dev/loop-control")
@@ -121,7 +122,7 @@ async def test_kernel_source_carries_synthetic_arguments(zram: ZramDevices) -> N
 async def test_kernel_source_overflow_sends_resync_and_recovers(
     zram: ZramDevices, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="devplugd.uevents")
+    caplog.set_level(logging.WARNING, logger="devplugd.sources")
     source = KernelUEventSource(BLOCK, receive_buffer=4096)  # room for a handful of messages
     async with running(source) as receive:
         index = zram.add()

@@ -8,14 +8,9 @@ from pathlib import Path
 import pytest
 
 from daemon.core import UEvent
+from daemon.sources.udev_monitor import UdevUEventSource
 from daemon.sources.uevent_wire import KERNEL_ACTIONS, UdevFormatError, UEventError, parse_kernel_uevent
-from daemon.sources.uevents import (
-    KernelUEventSource,
-    NullUEventSource,
-    UdevUEventSource,
-    UnixUEventSource,
-    make_uevent_source,
-)
+from daemon.sources.uevents import KernelUEventSource, NullUEventSource, UnixUEventSource, make_uevent_source
 from tests.uevents import BDI_ADD, BLOCK, ZRAM_ADD, ZRAM_CHANGE, kernel_message
 
 # --- the parser ---------------------------------------------------------------------------------

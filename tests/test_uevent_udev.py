@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from daemon.core import Event, Resync, UEvent
+from daemon.sources.udev_monitor import UdevUEventSource, _receive_udev, udev_device_to_uevent
 from daemon.sources.uevent_wire import UEventError
-from daemon.sources.uevents import UdevUEventSource, _receive_udev, udev_device_to_uevent
 from tests.uevents import BLOCK, ZramDevices, about, next_matching, running
 
 

@@ -32,7 +32,7 @@ from ._config import ConfiguredPool, PoolEntry
 from ._events import DeviceChanged, Event
 from ._tree import DeviceInfo, ResourcePool
 
-log = logging.getLogger("devplugd.handlers")
+log = logging.getLogger("devplugd.core")
 
 
 class HostChanges:

@@ -14,7 +14,6 @@ a lost book is reconciled with.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ from daemon.core import ContainerAllocation, DeviceSpec, ResourcePool
 from daemon.files import write_atomically
 
 from ._claims import PreparedDevice
-
-log = logging.getLogger("devplugd.dra")
 
 
 @dataclass(frozen=True)

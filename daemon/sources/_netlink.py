@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 
-log = logging.getLogger("devplugd.uevents")
+log = logging.getLogger("devplugd.sources")
 
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 

@@ -39,30 +39,34 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Protocol
 
 import trio
 
-from daemon.core import Event, Resync, UEvent
+from daemon.core import UEvent
 from daemon.sockets import SUN_PATH_MAX
 from daemon.sources._netlink import raise_receive_buffer
-from daemon.sources.uevent_wire import KERNEL_ACTIONS, UEventError, parse_kernel_uevent
+from daemon.sources._pump import (
+    RECEIVE_BUFFER_BYTES,
+    Overflow,
+    SendChannel,
+    log_skipped,
+    pump,
+    subsystem_text,
+)
+from daemon.sources.udev_monitor import UdevUEventSource
+from daemon.sources.uevent_wire import UEventError, parse_kernel_uevent
 
 log = logging.getLogger("devplugd.uevents")
 
 NETLINK_KOBJECT_UEVENT = 15
 KERNEL_GROUP = 1
-RECEIVE_BUFFER_BYTES = 16 * 1024 * 1024
 MAX_DATAGRAM_BYTES = 16 * 1024  # the kernel's uevent buffer is 2 KiB of properties plus the header
-DRAIN_BATCH = 256  # datagrams read between two trips through trio's scheduler
 UDEV_CONTROL = Path("/run/udev/control")
-OVERFLOW_REASON = "uevent overflow"
 SOCKET_MODE = 0o600
 
-SendChannel = trio.MemorySendChannel[Event]
 
 
 class UEventSource(Protocol):
@@ -115,10 +119,6 @@ def _unix_path(raw: str) -> Path:
     return Path(raw)
 
 
-def _subsystem_text(subsystems: frozenset[str]) -> str:
-    return ", ".join(sorted(subsystems)) if subsystems else "all"
-
-
 class NullUEventSource:
     """``--uevent-source none``: never sends anything."""
 
@@ -138,12 +138,12 @@ class KernelUEventSource:
         self._receive_buffer = receive_buffer
 
     def describe(self) -> str:
-        return f"kernel (netlink uevent group {KERNEL_GROUP}; subsystems: {_subsystem_text(self._subsystems)})"
+        return f"kernel (netlink uevent group {KERNEL_GROUP}; subsystems: {subsystem_text(self._subsystems)})"
 
     async def run(self, send: SendChannel, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with _open_netlink(self._receive_buffer) as sock:
             task_status.started()
-            await _pump(sock, lambda: _receive_datagram(sock, "kernel", _from_kernel), "kernel", self._subsystems, send)
+            await pump(sock, lambda: _receive_datagram(sock, "kernel", _from_kernel), "kernel", self._subsystems, send)
 
 
 def _open_netlink(receive_buffer: int) -> socket.socket:
@@ -176,14 +176,14 @@ class UnixUEventSource:
         return self._path
 
     def describe(self) -> str:
-        return f"unix datagram socket {self._path} (kernel format; subsystems: {_subsystem_text(self._subsystems)})"
+        return f"unix datagram socket {self._path} (kernel format; subsystems: {subsystem_text(self._subsystems)})"
 
     async def run(self, send: SendChannel, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         sock, identity = _bind_unix(self._path)
         try:
             task_status.started()
             name = f"unix:{self._path}"
-            await _pump(sock, lambda: _receive_datagram(sock, name, _anyone), name, self._subsystems, send)
+            await pump(sock, lambda: _receive_datagram(sock, name, _anyone), name, self._subsystems, send)
         finally:
             sock.close()
             _remove_if_ours(self._path, identity)
@@ -242,41 +242,6 @@ def _remove_if_ours(path: Path, identity: tuple[int, int]) -> None:
         path.unlink(missing_ok=True)
 
 
-class _Overflow(Exception):
-    """The kernel dropped messages for this socket (``ENOBUFS``)."""
-
-
-async def _pump(
-    fd: socket.socket | int,
-    receive: Callable[[], UEvent | None],
-    name: str,
-    subsystems: frozenset[str],
-    send: SendChannel,
-) -> None:
-    """Forever: sleep until ``fd`` is readable, then send what ``receive`` returns until it is drained.
-
-    ``receive`` returns the next event, ``None`` when nothing is queued, or raises ``_Overflow``.
-    Reading in batches keeps a storm of filtered-out messages from starving the other tasks.
-    """
-    overflowed = False
-    while True:
-        await trio.lowlevel.wait_readable(fd)
-        for _ in range(DRAIN_BATCH):
-            try:
-                event = receive()
-            except _Overflow:
-                overflowed = True
-                continue
-            if event is None:
-                if overflowed:
-                    _log_overflow(name)
-                    await send.send(Resync(None, OVERFLOW_REASON))
-                    overflowed = False
-                break
-            if _wanted(event, subsystems):
-                await send.send(event)
-
-
 def _receive_datagram(sock: socket.socket, name: str, sender_ok: Callable[[Any], bool]) -> UEvent | None:
     """The next uevent on ``sock``, or ``None`` when it is drained. Bad datagrams are logged and skipped."""
     while True:
@@ -286,138 +251,20 @@ def _receive_datagram(sock: socket.socket, name: str, sender_ok: Callable[[Any],
             return None
         except OSError as exc:
             if exc.errno == errno.ENOBUFS:
-                raise _Overflow from exc
+                raise Overflow from exc
             raise
         if flags & socket.MSG_TRUNC:
-            _log_skipped(name, f"datagram longer than {MAX_DATAGRAM_BYTES} bytes")
+            log_skipped(name, f"datagram longer than {MAX_DATAGRAM_BYTES} bytes")
         elif not sender_ok(address):
-            _log_skipped(name, f"not sent by the kernel (sender {address!r})")
+            log_skipped(name, f"not sent by the kernel (sender {address!r})")
         else:
             try:
                 return parse_kernel_uevent(data)
             except UEventError as exc:
-                _log_skipped(name, str(exc))
+                log_skipped(name, str(exc))
 
 
 def _anyone(_address: Any) -> bool:
     """The unix seam's socket file is mode 0600: whoever can send may."""
     return True
 
-
-def _wanted(event: UEvent, subsystems: frozenset[str]) -> bool:
-    return not subsystems or event.subsystem in subsystems
-
-
-def _log_skipped(name: str, reason: str) -> None:
-    log.warning("uevent source %s: skipped a malformed message: %s", name, reason, extra={"EVENT": "uevent-malformed"})
-
-
-def _log_overflow(name: str) -> None:
-    log.warning(
-        "uevent source %s: the kernel dropped uevents (receive buffer full); rescanning",
-        name,
-        extra={"EVENT": "uevent-overflow"},
-    )
-
-
-class _UdevDevice(Protocol):
-    """The part of ``pyudev.Device`` we read."""
-
-    @property
-    def action(self) -> str | None: ...
-    @property
-    def device_path(self) -> str: ...
-    @property
-    def subsystem(self) -> str | None: ...
-    @property
-    def properties(self) -> Mapping[str, str]: ...
-
-
-class UdevUEventSource:
-    """``--uevent-source udev``: libudev's monitor on udevd's group (events after the rules ran).
-
-    ``netlink_source="kernel"`` makes libudev listen on the kernel's group instead; tests use it
-    to run this code path on hosts without udevd.
-    """
-
-    def __init__(
-        self,
-        subsystems: frozenset[str],
-        *,
-        netlink_source: str = "udev",
-        receive_buffer: int = RECEIVE_BUFFER_BYTES,
-    ) -> None:
-        self._subsystems = subsystems
-        self._netlink_source = netlink_source
-        self._receive_buffer = receive_buffer
-
-    def describe(self) -> str:
-        return f"udev (libudev monitor, {self._netlink_source} group; subsystems: {_subsystem_text(self._subsystems)})"
-
-    async def run(self, send: SendChannel, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        monitor = self._open_monitor()
-        name = f"udev:{self._netlink_source}"
-        # A second handle on libudev's socket, to read its pending error (see _receive_udev).
-        with socket.socket(fileno=os.dup(monitor.fileno())) as alias:
-            raise_receive_buffer(alias, self._receive_buffer)
-            task_status.started()
-            await _pump(monitor.fileno(), lambda: _receive_udev(monitor, alias, name), name, self._subsystems, send)
-
-    def _open_monitor(self) -> Any:
-        import pyudev  # only this source needs libudev (and pyudev)
-
-        monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source=self._netlink_source)
-        for subsystem in sorted(self._subsystems):
-            monitor.filter_by(subsystem)
-        monitor.start()
-        return monitor
-
-
-def _receive_udev(monitor: Any, alias: socket.socket, name: str) -> UEvent | None:
-    """The next event from the libudev monitor, or ``None`` when drained.
-
-    After an overrun, pyudev's ``poll`` sees ``POLLERR`` and raises a bare ``OSError`` (no errno)
-    before libudev can read the error; ``SO_ERROR`` tells (and clears) what it was.
-    """
-    while True:
-        try:
-            device = monitor.poll(timeout=0)
-        except OSError as exc:
-            if exc.errno == errno.ENOBUFS or _pending_error(alias) == errno.ENOBUFS:
-                raise _Overflow from exc
-            raise
-        if device is None:
-            return None
-        try:
-            return udev_device_to_uevent(device)
-        except UEventError as exc:
-            _log_skipped(name, str(exc))
-        except UnicodeDecodeError as exc:  # pyudev decodes every name and value strictly
-            _log_skipped(name, f"not UTF-8 ({exc.reason} at byte {exc.start}): {getattr(device, 'sys_path', '?')}")
-
-
-def _pending_error(sock: socket.socket) -> int:
-    error: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    return error
-
-
-def udev_device_to_uevent(device: _UdevDevice) -> UEvent:
-    """A pyudev ``Device`` from a monitor as a ``UEvent``; ``devname`` made relative to /dev.
-
-    ``properties`` are udev's, unchanged (its ``DEVNAME`` stays absolute).
-    """
-    action, subsystem = device.action, device.subsystem
-    if action not in KERNEL_ACTIONS:
-        raise UEventError(f"unknown action {action!r}", _udev_summary(device))
-    if not subsystem:
-        raise UEventError("no SUBSYSTEM property", _udev_summary(device))
-    properties = dict(device.properties)
-    devname = properties.get("DEVNAME")
-    if devname is not None:
-        devname = devname.removeprefix("/dev/")
-    return UEvent(action, device.device_path, subsystem, devname, MappingProxyType(properties))
-
-
-def _udev_summary(device: _UdevDevice) -> bytes:
-    """What an error message shows of a libudev device (it has no raw bytes to show)."""
-    return f"{device.action}@{device.device_path} SUBSYSTEM={device.subsystem}".encode(errors="replace")

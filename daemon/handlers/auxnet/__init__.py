@@ -19,7 +19,6 @@ bound or unbound, or its uplink renamed, is read again (see ``_folding``).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -50,7 +49,6 @@ from ._selectors import parse_selector
 if TYPE_CHECKING:
     from daemon.core import DeviceDescriber, Handler, PostAllocator
 
-log = logging.getLogger("devplugd.auxnet")
 
 AUX_NET_DEVICE = "auxNetDevice"
 

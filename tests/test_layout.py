@@ -23,11 +23,6 @@ HANDLERS = DAEMON / "handlers"
 GENERATED = DAEMON / "_generated"
 MAX_LINES = 400
 
-# Over the limit on main when this test came, outside the handlers (not split here: its owner
-# splits it). Strict: once one is split, its entry fails until it is taken out of this list.
-KNOWN_TOO_LONG = frozenset({"daemon/sources/uevents.py"})
-
-
 def handler_packages(handlers: Path = HANDLERS) -> set[str]:
     """The handler packages: the directories beside the shared modules that have an ``__init__.py``."""
     return {path.parent.name for path in handlers.glob("*/__init__.py")}
@@ -134,12 +129,24 @@ def test_the_import_check_sees_every_spelling_of_a_cross_handler_import(tmp_path
         (2, "daemon.handlers.alpha"), (2, "daemon.handlers.alpha.x")]
 
 
-@pytest.mark.parametrize(
-    "path",
-    [pytest.param(path, marks=pytest.mark.xfail(strict=True, reason="over the limit on main; split by its owner"))
-     if str(path.relative_to(REPO_ROOT)) in KNOWN_TOO_LONG else path for path in daemon_files()],
-    ids=lambda path: str(path.relative_to(DAEMON)),
-)
+@pytest.mark.parametrize("path", daemon_files(), ids=lambda path: str(path.relative_to(DAEMON)))
 def test_no_file_of_the_daemon_is_over_400_lines(path: Path) -> None:
     lines = len(path.read_text(errors="replace").splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(REPO_ROOT)} has {lines} lines (at most {MAX_LINES})"
+
+
+def logger_names(path: Path) -> list[str]:
+    """The names of the loggers a module gets (``logging.getLogger("...")`` with a literal)."""
+    return [call.args[0].value for call in ast.walk(ast.parse(path.read_text()))
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "getLogger"
+            and call.args and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)]
+
+
+@pytest.mark.parametrize("path", daemon_files(), ids=lambda path: str(path.relative_to(DAEMON)))
+def test_each_logger_is_named_after_the_module_that_logs_or_a_package_containing_it(path: Path) -> None:
+    """A log line's logger says where to look: ``devplugd.loop`` is daemon/loop.py,
+    ``devplugd.deviceplugin`` a module of daemon/deviceplugin/, ``devplugd`` the daemon itself."""
+    parts = path.relative_to(DAEMON).with_suffix("").parts
+    allowed = {"devplugd"} | {f"devplugd.{part.lstrip('_')}" for part in parts if part != "__init__"}
+    for name in logger_names(path):
+        assert name in allowed, f"{path.relative_to(REPO_ROOT)} logs as {name!r}; one of {sorted(allowed)}"
