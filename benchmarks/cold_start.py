@@ -120,7 +120,8 @@ def in_process_tree_build(host: FakeHost, config_dir: Path, repeats: int = 3) ->
     from types import MappingProxyType
 
     from daemon import app
-    from daemon.core import DeviceTree, ResourcePool
+    from daemon.core import ResourcePool
+    from daemon.core._tree import DeviceTree
     from daemon.settings import Settings
 
     config_path = config_dir / "inproc-config.json"

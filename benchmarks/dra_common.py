@@ -262,7 +262,9 @@ def in_process_slice_costs(host: FakeHost, workdir: Path, repeats: int = 5) -> d
     from kubernetes.client.api_client import ApiClient
 
     from daemon import app
-    from daemon.core import DRA_ROAD, Hooks, ResourcePool
+    from daemon.core import ResourcePool
+    from daemon.core._handler import Hooks
+    from daemon.core._tree import DRA_ROAD
     from daemon.dra._slices import slice_bodies, slice_devices
     from daemon.settings import Settings
 

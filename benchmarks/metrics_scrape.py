@@ -22,7 +22,8 @@ from types import MappingProxyType
 from prometheus_client import generate_latest
 
 from daemon.checkpoint import CHECKPOINT_NAME
-from daemon.core import DeviceInfo, DeviceTree, ResourcePool
+from daemon.core import DeviceInfo, ResourcePool
+from daemon.core._tree import DeviceTree
 from daemon.metrics import Metrics
 
 

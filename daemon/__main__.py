@@ -113,8 +113,8 @@ def _add_settings(run: argparse.ArgumentParser) -> None:
             keywords["type"] = _argument_type(keywords["type"])
         elif "action" not in keywords and Path in (types[setting.name], *typing.get_args(types[setting.name])):
             keywords["type"] = Path
-        run.add_argument(setting.metadata["flag"], dest=setting.name, default=setting.default,
-                         help=setting.metadata["help"], **keywords)
+        keywords.setdefault("default", setting.default)
+        run.add_argument(setting.metadata["flag"], dest=setting.name, help=setting.metadata["help"], **keywords)
 
 
 def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -156,7 +156,7 @@ def _client_command(arguments: argparse.Namespace) -> int:
 
 def _check_config(path: Path, resource_prefix: str) -> int:
     from daemon import app
-    from daemon.core import ConfigFileError
+    from daemon.core._config import ConfigFileError
 
     try:
         _, config = app.load(Settings(resource_prefix=resource_prefix), config_path=path)
@@ -175,7 +175,7 @@ def _device_classes(path: Path, driver: str, resource_prefix: str, rbac: bool) -
     """``dra device-classes``: the DeviceClasses (and with ``rbac`` the RBAC objects) as one
     multi-document YAML stream on stdout; a config without DRA pools needs neither."""
     from daemon import app
-    from daemon.core import DRA_API, ConfigFileError
+    from daemon.core._config import DRA_API, ConfigFileError
     from daemon.dra import DeviceClassError, device_classes, rbac_objects
 
     if problem := dra_names_problem(driver, None):

@@ -32,25 +32,12 @@ import trio_asyncio
 from daemon.bus import Inbox
 from daemon.cdi import CdiWriter
 from daemon.checkpoint import CheckpointReader
-from daemon.core import (
-    AnyHandler,
-    ClaimsChanged,
-    ConfigChanged,
-    ConfigFileError,
-    DaemonConfig,
-    Event,
-    HandlerContext,
-    HandlerLoadError,
-    HostChanges,
-    LeasesChanged,
-    Notifier,
-    PluginSocketRemoved,
-    Resync,
-    load_config,
-    load_handlers,
-    parser_table,
-    tell_lifecycle,
-)
+from daemon.core import Event, HandlerContext, Resync
+from daemon.core._config import ConfigFileError, DaemonConfig, load_config
+from daemon.core._events import ClaimsChanged, ConfigChanged, LeasesChanged, PluginSocketRemoved
+from daemon.core._handler import AnyHandler, HostChanges, tell_lifecycle
+from daemon.core._notifier import Notifier
+from daemon.core._registry import HandlerLoadError, load_handlers, parser_table
 from daemon.deviceplugin import Endpoints, directory_problem
 from daemon.dra import ClaimBook, DraDriver
 from daemon.holdings import Holdings

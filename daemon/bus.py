@@ -18,7 +18,8 @@ from collections.abc import Hashable
 
 import trio
 
-from daemon.core import ClaimsChanged, DeviceChanged, Event, LeasesChanged, Resync
+from daemon.core import DeviceChanged, Event, Resync
+from daemon.core._events import ClaimsChanged, LeasesChanged
 
 MAX_FILED = 4096
 

@@ -29,7 +29,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, DeviceTree, Mount, ResourcePool
+from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, Mount, ResourcePool
+from daemon.core._tree import DeviceTree
 from daemon.files import write_atomically
 from daemon.follow import TreeFollower
 

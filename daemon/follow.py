@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import trio
 
-from daemon.core import DeviceTree
 from daemon.core._mailbox import TreeMailbox
+from daemon.core._tree import DeviceTree
 
 
 class TreeFollower:

@@ -49,27 +49,22 @@ from typing import Any
 import trio
 
 from daemon.core import (
-    DRA_ROAD,
     HEALTH_LOST,
     HEALTH_RESTORED,
-    AnyHandler,
-    CheckpointChanged,
-    ClaimsChanged,
-    ConfigChanged,
-    ConfigFileError,
     ConfiguredPool,
-    DaemonConfig,
     DeviceChanged,
     DeviceMap,
     Event,
-    LeasesChanged,
     LinkChanged,
     LinkSnapshot,
-    Notifier,
     Resync,
     UEvent,
-    tell_lifecycle,
 )
+from daemon.core._config import ConfigFileError, DaemonConfig
+from daemon.core._events import CheckpointChanged, ClaimsChanged, ConfigChanged, LeasesChanged
+from daemon.core._handler import AnyHandler, tell_lifecycle
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DRA_ROAD
 from daemon.holdings import Assembly, Holdings
 from daemon.metrics import CHANGED, FAILED, UNCHANGED, Metrics, metrics_outcome
 from daemon.service import ServiceManager

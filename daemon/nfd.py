@@ -29,7 +29,7 @@ import logging
 import re
 from pathlib import Path
 
-from daemon.core import DeviceTree
+from daemon.core._tree import DeviceTree
 from daemon.files import write_atomically
 from daemon.follow import TreeFollower
 

@@ -20,7 +20,7 @@ from typing import Protocol
 import trio
 from systemd import daemon as sd_daemon
 
-from daemon.core import DeviceTree
+from daemon.core._tree import DeviceTree
 
 log = logging.getLogger("devplugd.service")
 

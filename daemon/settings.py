@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.core import dns_subdomain_problem
+from daemon.core._names import dns_subdomain_problem
 
 KUBELET_SOCKET_NAME = "kubelet.sock"
 REGISTRATION_MODES = ("auto", "kubelet", "watcher", "none")
@@ -19,10 +19,11 @@ KUBELET_KUBECONFIG = Path("/etc/kubernetes/kubelet.conf")
 DRA_SOCKET_NAME = "dra.sock"
 
 
-def option(default: Any, flag: str, help: str, *, show_default: bool = True, **argparse: Any) -> Any:
-    """A setting ``devplugd run`` takes as ``flag`` (``argparse``: add_argument's other keywords)."""
+def option(value: Any, flag: str, help: str, *, show_default: bool = True, **argparse: Any) -> Any:
+    """A setting ``devplugd run`` takes as ``flag``, ``value`` by default (``argparse``:
+    add_argument's other keywords; its own ``default`` when the CLI works the value out itself)."""
     text = f"{help} (default: %(default)s)" if show_default else help
-    return field(default=default, metadata={"flag": flag, "help": text, "argparse": argparse})
+    return field(default=value, metadata={"flag": flag, "help": text, "argparse": argparse})
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -78,7 +79,7 @@ class Settings:
     dra_driver: str = option(DEFAULT_DRA_DRIVER, "--dra-driver", "DRA driver name: spec.driver of our "
                              "ResourceSlices, a DNS subdomain of at most 63 characters")
     node_name: str = option("localhost", "--node-name", "this node's Kubernetes name (default: $NODE_NAME, else "
-                            "the host name in lower case)", show_default=False)
+                            "the host name in lower case)", show_default=False, default=None)
     kubeconfig: Path | None = option(
         None, "--kubeconfig", f"the API server's address and credentials, for DRA pools (default: $KUBECONFIG, "
         f"else {KUBELET_KUBECONFIG} when it exists, else the in-cluster service account)", show_default=False)

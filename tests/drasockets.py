@@ -19,7 +19,10 @@ from daemon._generated.dra.v1 import api_pb2 as dra_v1
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from daemon.core import DeviceTree, Event, Notifier, PluginSocketRemoved
+from daemon.core import Event
+from daemon.core._events import PluginSocketRemoved
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DeviceTree
 from daemon.dra import DraSockets, HealthServicer
 from daemon.metrics import Metrics
 from daemon.settings import Settings

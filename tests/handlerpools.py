@@ -7,15 +7,9 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from daemon.core import (
-    ConfiguredPool,
-    ContainerAllocation,
-    DeviceInfo,
-    Hooks,
-    ResourcePool,
-    allocate_container,
-    parse_config,
-)
+from daemon.core import ConfiguredPool, ContainerAllocation, DeviceInfo, ResourcePool
+from daemon.core._config import parse_config
+from daemon.core._handler import Hooks, allocate_container
 
 
 def configure_pools(handler: Any, entries: Iterable[dict[str, Any]], prefix: str,

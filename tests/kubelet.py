@@ -64,7 +64,7 @@ from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as dra_health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from daemon.core import extended_resource_name_problem
+from daemon.core._names import extended_resource_name_problem
 
 CHECKPOINT = "kubelet_internal_checkpoint"
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from daemon.core import HEALTHY, UNHEALTHY, ConfigFileError, Hooks, LinkChanged, LinkSnapshot, LinkState, Resync
+from daemon.core import HEALTHY, UNHEALTHY, LinkChanged, LinkSnapshot, LinkState, Resync
+from daemon.core._config import ConfigFileError
+from daemon.core._handler import Hooks
 from daemon.dra import slice_devices
 from tests.auxpools import A_SFS, ALL, B_SFS, PF_A, PF_B, SF, AuxPools, pool, standard_tree
 from tests.fakesysfs import INFINIBAND, FakeHost

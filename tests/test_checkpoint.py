@@ -12,7 +12,8 @@ import trio
 
 import daemon.checkpoint
 from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader, read_allocations
-from daemon.core import CheckpointChanged, Event
+from daemon.core import Event
+from daemon.core._events import CheckpointChanged
 from daemon.sources.inotify import InotifySource
 
 

@@ -8,16 +8,10 @@ from typing import Any
 
 import pytest
 
-from daemon.core import (
-    ConfigFileError,
-    DaemonConfig,
-    HandlerContext,
-    extended_resource_name_problem,
-    load_config,
-    load_handlers,
-    parse_config,
-    parser_table,
-)
+from daemon.core import HandlerContext
+from daemon.core._config import ConfigFileError, DaemonConfig, load_config, parse_config
+from daemon.core._names import extended_resource_name_problem
+from daemon.core._registry import load_handlers, parser_table
 
 _CONTEXT = HandlerContext(
     sysfs_root=Path("/nonexistent/sys"),

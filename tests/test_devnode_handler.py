@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from daemon.core import ConfigFileError, DeviceSpec
+from daemon.core import DeviceSpec
+from daemon.core._config import ConfigFileError
 from tests.devnodes import DevNodes, mknod
 from tests.fakesysfs import FakeHost
 

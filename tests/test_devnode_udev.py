@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from daemon.core import ConfigFileError, DeviceSpec
+from daemon.core import DeviceSpec
+from daemon.core._config import ConfigFileError
 from tests.devnodes import DevNodes
 from tests.fakesysfs import FakeHost
 from tests.usbtree import Step, UsbTree, ftdi, keyboard, storage

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from daemon.core import DeviceInfo, DeviceSpec, Hooks, ResourcePool
+from daemon.core import DeviceInfo, DeviceSpec, ResourcePool
+from daemon.core._handler import Hooks
 from daemon.dra import device_name, slice_devices
 from daemon.handlers.devnode import DevNodeHandler
 from daemon.handlers.pci import PciHandler

@@ -18,17 +18,10 @@ import celpy
 import pytest
 import trio
 
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    DRA_API,
-    DRA_ROAD,
-    DaemonConfig,
-    DeviceTree,
-    HandlerContext,
-    Hooks,
-    ResourcePool,
-    parse_config,
-)
+from daemon.core import HandlerContext, ResourcePool
+from daemon.core._config import DRA_API, DaemonConfig, parse_config
+from daemon.core._handler import Hooks
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, DeviceTree
 from daemon.dra import device_classes, pool_name
 from daemon.dra._kube import ApiLink
 from daemon.dra._pools import DraPools

@@ -14,7 +14,9 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
-from daemon.core import DaemonConfig, Hooks, ResourcePool, parse_config
+from daemon.core import ResourcePool
+from daemon.core._config import DaemonConfig, parse_config
+from daemon.core._handler import Hooks
 from daemon.dra import (
     DeviceClassError,
     device_class_name,

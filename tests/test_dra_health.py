@@ -11,16 +11,8 @@ from typing import Any
 import trio
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    DRA_ROAD,
-    UNHEALTHY,
-    WITHHELD_ROAD,
-    DeviceInfo,
-    DeviceSpec,
-    DeviceTree,
-    ResourcePool,
-)
+from daemon.core import UNHEALTHY, DeviceInfo, DeviceSpec, ResourcePool
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
 from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, health_report
 from tests.drasockets import DRIVER, NODE, DraRig, serving_dra, wait_until

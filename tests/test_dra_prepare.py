@@ -19,15 +19,9 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.dra.v1 import api_pb2 as dra
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_grpc
 from daemon.cdi import CdiWriter
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    DRA_ROAD,
-    UNHEALTHY,
-    DeviceTree,
-    Hooks,
-    ResourcePool,
-    allocate_container,
-)
+from daemon.core import UNHEALTHY, ResourcePool
+from daemon.core._handler import Hooks, allocate_container
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
 from daemon.dra._claims import CLAIMS_FILE, ClaimBook, ClaimRef
 from daemon.dra._prepare import ClaimNotFound, ClaimPreparer, PrepareResult

@@ -22,17 +22,9 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    DRA_ROAD,
-    HEALTHY,
-    UNHEALTHY,
-    WITHHELD_ROAD,
-    DeviceInfo,
-    DeviceTree,
-    ResourcePool,
-    parse_config,
-)
+from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, ResourcePool
+from daemon.core._config import parse_config
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import _publisher
 from daemon.dra._kube import ApiLink, Kube
 from daemon.dra._pools import DraPools

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from kubernetes.client import ApiClient
 
-from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool, dns_subdomain_problem
+from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
+from daemon.core._names import dns_subdomain_problem
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
 from daemon.dra._slices import generate_name
 from tests.fakesysfs import FakeHost

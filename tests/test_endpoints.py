@@ -14,7 +14,9 @@ import pytest
 import trio
 import trio_asyncio
 
-from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, DeviceTree, Notifier, ResourcePool
+from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, ResourcePool
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DeviceTree
 from daemon.deviceplugin import Endpoints
 from daemon.settings import Settings
 from tests.kubelet import FakeKubelet

@@ -13,17 +13,10 @@ import trio_asyncio
 
 import daemon.checkpoint
 from daemon.checkpoint import CHECKPOINT_NAME, read_holdings
-from daemon.core import (
-    HEALTHY,
-    UNHEALTHY,
-    CheckpointChanged,
-    ConfigChanged,
-    DaemonConfig,
-    Event,
-    Notifier,
-    Resync,
-    parse_config,
-)
+from daemon.core import HEALTHY, UNHEALTHY, Event, Resync
+from daemon.core._config import DaemonConfig, parse_config
+from daemon.core._events import CheckpointChanged, ConfigChanged
+from daemon.core._notifier import Notifier
 from daemon.deviceplugin import Endpoints
 from daemon.loop import EventLoop
 from daemon.metrics import Metrics

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from daemon.core import DeviceInfo, DeviceTree, ResourcePool
+from daemon.core import DeviceInfo, ResourcePool
+from daemon.core._tree import DeviceTree
 from daemon.nfd import FILE_NAME, NfdFeatures, features_text, label_names
 from tests.devnodes import mknod
 from tests.fakesysfs import FakeHost

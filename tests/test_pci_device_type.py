@@ -12,16 +12,8 @@ from typing import Any
 import pytest
 
 from daemon.cdi import with_cdi_names
-from daemon.core import (
-    AllocationError,
-    DeviceChanged,
-    DeviceSpec,
-    HandlerContext,
-    Hooks,
-    HostChanges,
-    UEvent,
-    allocate_container,
-)
+from daemon.core import AllocationError, DeviceChanged, DeviceSpec, HandlerContext, UEvent
+from daemon.core._handler import Hooks, HostChanges, allocate_container
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci, add_nvme_pf, nvme_vfs

@@ -17,17 +17,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.core import (
-    HEALTHY,
-    UNHEALTHY,
-    DaemonConfig,
-    HandlerContext,
-    LinkChanged,
-    LinkSnapshot,
-    LinkState,
-    UEvent,
-    parse_config,
-)
+from daemon.core import HEALTHY, UNHEALTHY, HandlerContext, LinkChanged, LinkSnapshot, LinkState, UEvent
+from daemon.core._config import DaemonConfig, parse_config
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
 

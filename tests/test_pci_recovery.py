@@ -15,21 +15,11 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
-from daemon.core import (
-    HEALTH_LOST,
-    HEALTH_RESTORED,
-    HEALTHY,
-    UNHEALTHY,
-    DeviceInfo,
-    DeviceTree,
-    Event,
-    Notifier,
-    PoolEntry,
-    Resync,
-    UEvent,
-    parse_config,
-)
+from daemon.core import HEALTH_LOST, HEALTH_RESTORED, HEALTHY, UNHEALTHY, DeviceInfo, Event, PoolEntry, Resync, UEvent
+from daemon.core._config import parse_config
 from daemon.core._mailbox import TreeStream
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DeviceTree
 from daemon.deviceplugin import _servicer
 from daemon.deviceplugin._servicer import listing_scope
 from daemon.handlers.pci import _folding
@@ -305,7 +295,8 @@ _versions = iter(range(1, 1_000_000))
 
 
 def _tree(healths: dict[str, str]) -> Any:
-    from daemon.core import DeviceTree, ResourcePool
+    from daemon.core import ResourcePool
+    from daemon.core._tree import DeviceTree
     pool = ResourcePool("example.com/things", "t", None,  # type: ignore[arg-type]
                         {device_id: DeviceInfo(health=health) for device_id, health in healths.items()})
     return DeviceTree.build(next(_versions), [pool])

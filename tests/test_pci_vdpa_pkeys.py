@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from daemon.core import ConfigFileError, DeviceSpec, HandlerContext, LinkChanged, LinkState, UEvent
+from daemon.core import DeviceSpec, HandlerContext, LinkChanged, LinkState, UEvent
+from daemon.core._config import ConfigFileError
 from daemon.handlers.pci import PciHandler
 from tests.auxsysfs import VHOST_VDPA, VIRTIO_VDPA, AuxTree
 from tests.fakesysfs import FakeHost

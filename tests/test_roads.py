@@ -13,20 +13,11 @@ from pathlib import Path
 import trio
 import trio_asyncio
 
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    DRA_ROAD,
-    WITHHELD_ROAD,
-    CheckpointChanged,
-    ClaimsChanged,
-    ConfigChanged,
-    DaemonConfig,
-    Event,
-    Notifier,
-    ResourcePool,
-    Resync,
-    parse_config,
-)
+from daemon.core import Event, ResourcePool, Resync
+from daemon.core._config import DaemonConfig, parse_config
+from daemon.core._events import CheckpointChanged, ClaimsChanged, ConfigChanged
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD
 from daemon.deviceplugin import Endpoints
 from daemon.holdings import Holdings
 from daemon.loop import EventLoop

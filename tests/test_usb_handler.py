@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from daemon.core import ConfigFileError, DeviceSpec
+from daemon.core import DeviceSpec
+from daemon.core._config import ConfigFileError
 from tests.fakesysfs import FakeHost
 from tests.usbpools import UsbPools, node_paths
 from tests.usbtree import Plug, UsbModel, UsbTree, ft2232, ftdi, hub, keyboard, storage

@@ -1,152 +1,81 @@
-"""The public face of devplugd's core: the handler contract and the model it works on.
+"""The public face of devplugd's core for handlers: the handler contract and the model it
+works on (events, devices and pools, allocation answers, config entries, sysfs and udev readers).
 
-Handlers import from ``daemon.core`` only; so do the consumers of the tree (the device-plugin
-servers, the host API, CDI, systemd glue). The modules behind it are private to the core.
+Handlers import from ``daemon.core`` only, never from the modules behind it. The daemon's own
+parts (the event loop, the notifier and its mailboxes, config loading, the handler registry, the
+tree and its diff, the roads) import what only they use from the core module that defines it
+(``daemon.core._notifier``, ``daemon.core._tree``, ...): this face stays the contract a handler
+author reads, and grows only with it.
 """
 
-from ._allocation import AllocationError, ContainerAllocation, HandlerFailed, UseDefault, default_allocation
-from ._config import (
-    DRA_API,
-    ConfigFileError,
-    ConfiguredPool,
-    DaemonConfig,
-    ParserTable,
-    PoolEntry,
-    load_config,
-    parse_config,
-)
-from ._events import (
-    CheckpointChanged,
-    ClaimsChanged,
-    ConfigChanged,
-    DeviceChanged,
-    Event,
-    KubeletSocketCreated,
-    LeasesChanged,
-    LinkChanged,
-    LinkSnapshot,
-    LinkState,
-    PluginSocketRemoved,
-    Resync,
-    UEvent,
-)
+from ._allocation import AllocationError, ContainerAllocation, UseDefault, default_allocation
+from ._config import ConfiguredPool, PoolEntry
+from ._events import DeviceChanged, Event, LinkChanged, LinkSnapshot, LinkState, Resync, UEvent
 from ._handler import (
     HEALTH_LOST,
     HEALTH_RESTORED,
     Allocator,
-    AnyHandler,
     AttributeValue,
     ContainerPreStarter,
     DeviceDescriber,
     DeviceMap,
     Handler,
     HandlerContext,
-    Hooks,
-    HostChanges,
     PoolLifecycle,
     PostAllocator,
     PreferredAllocator,
     SideFileReleaser,
-    allocate_container,
-    tell_lifecycle,
 )
 from ._jsonpath import ConfigError, ConfigObject
-from ._names import device_list_env_name, dns_subdomain_problem, dra_pool_part, extended_resource_name_problem
-from ._notifier import Notifier, Subscriber
-from ._registry import HandlerLoadError, load_handlers, parser_table
+from ._names import device_list_env_name
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from ._tree import (
-    DEVICE_PLUGIN_ROAD,
-    DRA_ROAD,
-    HEALTHY,
-    UNHEALTHY,
-    WITHHELD_ROAD,
-    DeviceInfo,
-    DeviceSpec,
-    DeviceTree,
-    Mount,
-    ResourceDiff,
-    ResourcePool,
-    TreeDiff,
-)
+from ._tree import HEALTHY, UNHEALTHY, DeviceInfo, DeviceSpec, Mount, ResourcePool
 from ._udev import device_properties, read_uevent_file, set_by_udev
 
 __all__ = [
-    "DEVICE_PLUGIN_ROAD",
-    "DRA_API",
-    "DRA_ROAD",
     "HEALTHY",
     "HEALTH_LOST",
     "HEALTH_RESTORED",
     "UNHEALTHY",
-    "WITHHELD_ROAD",
     "AllocationError",
     "Allocator",
-    "AnyHandler",
     "AttributeValue",
-    "CheckpointChanged",
-    "ClaimsChanged",
-    "ConfigChanged",
     "ConfigError",
-    "ConfigFileError",
     "ConfigObject",
     "ConfiguredPool",
     "ContainerAllocation",
     "ContainerPreStarter",
-    "DaemonConfig",
     "DeviceChanged",
     "DeviceDescriber",
     "DeviceInfo",
     "DeviceMap",
     "DeviceSpec",
-    "DeviceTree",
     "Event",
     "Handler",
     "HandlerContext",
-    "HandlerFailed",
-    "HandlerLoadError",
-    "Hooks",
-    "HostChanges",
-    "KubeletSocketCreated",
-    "LeasesChanged",
     "LinkChanged",
     "LinkSnapshot",
     "LinkState",
     "Mount",
-    "Notifier",
-    "ParserTable",
     "PathLike",
-    "PluginSocketRemoved",
     "PoolEntry",
     "PoolLifecycle",
     "PostAllocator",
     "PreferredAllocator",
-    "ResourceDiff",
     "ResourcePool",
     "Resync",
     "SideFileReleaser",
-    "Subscriber",
     "SysfsError",
-    "TreeDiff",
     "UEvent",
     "UseDefault",
-    "allocate_container",
     "default_allocation",
     "device_list_env_name",
     "device_properties",
-    "dns_subdomain_problem",
-    "dra_pool_part",
-    "extended_resource_name_problem",
     "link_name",
     "list_dir",
-    "load_config",
-    "load_handlers",
-    "parse_config",
-    "parser_table",
     "read_hex_id",
     "read_int",
     "read_text",
     "read_uevent_file",
     "set_by_udev",
-    "tell_lifecycle",
 ]

@@ -26,7 +26,9 @@ import trio
 from trio_asyncio import aio_as_trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
-from daemon.core import AnyHandler, DeviceTree, Hooks, Notifier
+from daemon.core._handler import AnyHandler, Hooks
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DeviceTree
 from daemon.holdings import HolderLookup
 from daemon.metrics import Metrics
 from daemon.settings import Settings

@@ -17,16 +17,11 @@ from collections.abc import Callable, Mapping
 
 import trio
 
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    AnyHandler,
-    DeviceTree,
-    Event,
-    KubeletSocketCreated,
-    Notifier,
-    PluginSocketRemoved,
-    TreeDiff,
-)
+from daemon.core import Event
+from daemon.core._events import KubeletSocketCreated, PluginSocketRemoved
+from daemon.core._handler import AnyHandler
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DeviceTree, TreeDiff
 from daemon.holdings import HolderLookup
 from daemon.metrics import Metrics
 from daemon.settings import Settings

@@ -17,19 +17,12 @@ import grpc
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.deviceplugin.v1beta1 import api_pb2_grpc as dp_grpc
 from daemon.cdi import with_cdi_names
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    HEALTHY,
-    AllocationError,
-    ContainerAllocation,
-    DeviceTree,
-    HandlerFailed,
-    Hooks,
-    Notifier,
-    ResourcePool,
-    allocate_container,
-)
+from daemon.core import HEALTHY, AllocationError, ContainerAllocation, ResourcePool
+from daemon.core._allocation import HandlerFailed
+from daemon.core._handler import Hooks, allocate_container
 from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DeviceTree
 from daemon.holdings import KUBELET_ASKS, UNHEALTHY, UNKNOWN, VANISHED, HolderLookup, refusal
 from daemon.metrics import LISTANDWATCH, Metrics
 from daemon.sockets import refuse

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from daemon.core import DaemonConfig, dns_subdomain_problem, dra_pool_part
+from daemon.core._config import DaemonConfig
+from daemon.core._names import dns_subdomain_problem, dra_pool_part
 
 from ._slices import MANAGED_BY, string_problem
 

@@ -28,7 +28,11 @@ from typing import Any
 
 import trio
 
-from daemon.core import DRA_ROAD, WITHHELD_ROAD, AnyHandler, ClaimsChanged, DeviceTree, Event, Hooks, Notifier
+from daemon.core import Event
+from daemon.core._events import ClaimsChanged
+from daemon.core._handler import AnyHandler, Hooks
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.holdings import Holdings
 from daemon.metrics import Metrics
 from daemon.settings import Settings

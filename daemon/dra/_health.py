@@ -34,8 +34,10 @@ import grpc
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
-from daemon.core import DRA_ROAD, HEALTHY, DeviceTree, Notifier
+from daemon.core import HEALTHY
 from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.metrics import DRA_HEALTH, Metrics
 
 from ._names import device_name, pool_name

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from daemon.core import dra_pool_part
+from daemon.core._names import dra_pool_part
 
 DNS_LABEL_MAX = 63
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")

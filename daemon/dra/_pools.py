@@ -15,7 +15,10 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from daemon.core import DRA_API, DRA_ROAD, DeviceTree, Hooks, ResourcePool
+from daemon.core import ResourcePool
+from daemon.core._config import DRA_API
+from daemon.core._handler import Hooks
+from daemon.core._tree import DRA_ROAD, DeviceTree
 
 from ._names import pool_name
 from ._publisher import SlicePublisher, WantedPool

@@ -48,15 +48,10 @@ from typing import Any
 
 import trio
 
-from daemon.core import (
-    AllocationError,
-    ContainerAllocation,
-    DeviceTree,
-    HandlerFailed,
-    Hooks,
-    ResourcePool,
-    allocate_container,
-)
+from daemon.core import AllocationError, ContainerAllocation, ResourcePool
+from daemon.core._allocation import HandlerFailed
+from daemon.core._handler import Hooks, allocate_container
+from daemon.core._tree import DeviceTree
 from daemon.holdings import Holder, HolderLookup, claim_asks, refusal, road_refusal
 from daemon.metrics import Metrics
 

@@ -18,7 +18,8 @@ from collections.abc import Mapping, MutableSet, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from daemon.core import AttributeValue, DeviceDescriber, DeviceInfo, ResourcePool, dns_subdomain_problem
+from daemon.core import AttributeValue, DeviceDescriber, DeviceInfo, ResourcePool
+from daemon.core._names import dns_subdomain_problem
 from daemon.holdings import SLICE_ASKS, refusal
 
 from ._names import device_name

@@ -27,19 +27,9 @@ from types import MappingProxyType
 from typing import Any
 
 from daemon.checkpoint import Allocations
-from daemon.core import (
-    DEVICE_PLUGIN_ROAD,
-    DRA_API,
-    DRA_ROAD,
-    UNHEALTHY,
-    WITHHELD_ROAD,
-    ConfiguredPool,
-    DaemonConfig,
-    DeviceInfo,
-    DeviceMap,
-    DeviceTree,
-    ResourcePool,
-)
+from daemon.core import UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, ResourcePool
+from daemon.core._config import DRA_API, DaemonConfig
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 
 from ._holdings import DeviceKey, HeldSnapshot
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from daemon.checkpoint import Allocations, CheckpointReader, Reading
-from daemon.core import DRA_ROAD, WITHHELD_ROAD, ResourcePool
+from daemon.core import ResourcePool
+from daemon.core._tree import DRA_ROAD, WITHHELD_ROAD
 
 from ._holder import KUBELET, Holder, LostBook
 

@@ -6,7 +6,7 @@ DRA claim being prepared (``claim_asks``) and the ResourceSlices being published
 
 1. ``unknown``: the device is not in the pool;
 2. ``wrong road`` / ``withheld``: the pool is not served on the asker's road (a host lease may
-   come from any road's pool);
+   come from any road's pool; the slices publish the pools the DRA driver chose);
 3. ``vanished``: the handler lost it while something held it (kept listed, Unhealthy);
 4. ``unhealthy``;
 5. held: ``leased`` (a host lease), ``claimed`` (a prepared DRA claim), ``kubelet`` (a pod
@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from daemon.core import DEVICE_PLUGIN_ROAD, DRA_ROAD, HEALTHY, WITHHELD_ROAD, ResourcePool
+from daemon.core import HEALTHY, ResourcePool
+from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD
 
 from ._holder import CLAIM, KUBELET, LEASE, LOST_CLAIMS, LOST_LEASES, Holder
 
@@ -69,9 +70,12 @@ class Asker:
 
 
 HOST = "host"
+SLICES = "slices"
 KUBELET_ASKS = Asker(DEVICE_PLUGIN_ROAD, ignored=frozenset({KUBELET}))
 LEASE_ASKS = Asker(HOST, own_book=LEASE)
-SLICE_ASKS = Asker(DRA_ROAD, ignored=frozenset({CLAIM}))
+# which pools publish slices is the DRA driver's choice (the pools on the DRA road); the rule
+# says which of their devices
+SLICE_ASKS = Asker(SLICES, ignored=frozenset({CLAIM}))
 
 
 def claim_asks(uid: str, *, admin_access: bool = False, prepared_before_loss: bool = False) -> Asker:

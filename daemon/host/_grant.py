@@ -18,7 +18,10 @@ from trio_asyncio import trio_as_aio
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon.cdi import with_cdi_names
-from daemon.core import AllocationError, AnyHandler, HandlerFailed, Hooks, Notifier, ResourcePool, allocate_container
+from daemon.core import AllocationError, ResourcePool
+from daemon.core._allocation import HandlerFailed
+from daemon.core._handler import AnyHandler, Hooks, allocate_container
+from daemon.core._notifier import Notifier
 from daemon.holdings import KUBELET_HELD, LEASE_ASKS, LOST_BOOK, UNKNOWN, VANISHED, Holdings, Refusal, refusal
 from daemon.sockets import refuse
 

@@ -27,8 +27,10 @@ from trio_asyncio import aio_as_trio, trio_as_aio
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
-from daemon.core import HEALTHY, DeviceTree, Notifier, ResourcePool
+from daemon.core import HEALTHY, ResourcePool
 from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
+from daemon.core._notifier import Notifier
+from daemon.core._tree import DeviceTree
 from daemon.holdings import CLAIM, KUBELET, LEASE, DurableBook, Holder, Holdings
 from daemon.metrics import HOST_WATCH, Metrics
 from daemon.sockets import refuse, remove_socket_file, start_unix_server

@@ -17,7 +17,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from daemon.checkpoint import CheckpointReader, Holdings
-from daemon.core import DeviceInfo, DeviceTree
+from daemon.core import DeviceInfo
+from daemon.core._tree import DeviceTree
 
 log = logging.getLogger("devplugd.metrics")
 

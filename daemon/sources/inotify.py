@@ -26,7 +26,8 @@ from inotify_simple import INotify
 from inotify_simple import flags as in_flags
 
 from daemon.checkpoint import CHECKPOINT_NAME
-from daemon.core import CheckpointChanged, ConfigChanged, Event, KubeletSocketCreated, PluginSocketRemoved
+from daemon.core import Event
+from daemon.core._events import CheckpointChanged, ConfigChanged, KubeletSocketCreated, PluginSocketRemoved
 from daemon.settings import KUBELET_SOCKET_NAME
 
 log = logging.getLogger("devplugd.inotify")
