@@ -123,6 +123,7 @@ class CheckpointReader:
         self._read_at = 0  # the value of _changes the last reading started at
         self._reading = Reading()
         self._lock = threading.Lock()  # one read at a time, whichever thread asks
+        self.reads = 0  # times the file was parsed (devplugd_kubelet_checkpoint_reads_total)
 
     @property
     def directory(self) -> Path | None:
@@ -157,6 +158,7 @@ class CheckpointReader:
             identity = _identity(self._directory / CHECKPOINT_NAME)
             if identity != self._reading.identity:
                 self._reading = _read(self._directory, identity)
+                self.reads += 1
                 if self._reading.error is not None:  # once per version of the file
                     log.warning("%s; who holds which device through the kubelet is unknown until it can be read",
                                 self._reading.error)

@@ -301,3 +301,28 @@ def test_a_lost_lease_book_is_a_metric_until_it_is_cleared(host, kubelet, run_da
     assert value(text, "devplugd_lost_books", book="claim") == 0
     assert control_cli(short_tmp / "control.sock", "clear-lost", "leases").returncode == 0
     scrape_until(daemon, url, lambda t: value(t, "devplugd_lost_books", book="lease") == 0, "lease book cleared")
+
+
+def test_the_checkpoint_is_parsed_once_per_change_however_many_list_calls_and_scrapes(
+        host, kubelet, run_daemon, seam, short_tmp):
+    """The host API, the metrics and the event loop share one reader: List after List and scrape
+    after scrape of an unchanged checkpoint parse it once; a new checkpoint once more."""
+    host.add_pf(PF, netdev="ens1f0")
+    vfs = create_vfs(host, None, 0, 2)
+    kubelet.write_checkpoint({DPDK: [vfs[0]]})
+    daemon, url = start(run_daemon, seam)
+    kubelet.wait_for_devices(DPDK, 2)
+    wait_for_control(short_tmp / "control.sock")
+    for _ in range(10):
+        listed = json.loads(control_cli(short_tmp / "control.sock", "list", "-o", "json").stdout)
+        assert {d["id"]: d["holder"] for d in listed[0]["devices"]} == {vfs[0]: "kubelet", vfs[1]: "free"}
+        text = scrape(url)
+    assert value(text, "devplugd_kubelet_checkpoint_reads_total") == 1
+    kubelet.write_checkpoint({DPDK: [vfs[1]]})
+    def holders() -> dict[str, str]:
+        listed = json.loads(control_cli(short_tmp / "control.sock", "list", "-o", "json").stdout)
+        return {d["id"]: d["holder"] for d in listed[0]["devices"]}
+    daemon.wait_until(lambda: holders() == {vfs[0]: "free", vfs[1]: "kubelet"}, "the new checkpoint read")
+    for _ in range(5):
+        holders()
+    assert value(scrape(url), "devplugd_kubelet_checkpoint_reads_total") == 2

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from daemon.checkpoint import CheckpointReader, Holdings
@@ -66,10 +66,15 @@ class TreeCollector(Collector):
     def offer(self, tree: DeviceTree) -> None:
         self._tree = tree
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        return _families().values()
+    def describe(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        return [*_families().values(), self._reads()]
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def _reads(self) -> CounterMetricFamily:
+        return CounterMetricFamily("devplugd_kubelet_checkpoint_reads", "Times the kubelet's checkpoint was parsed "
+                                   "(once per change of the file, whoever asks).",
+                                   value=self._checkpoint.reads if self._checkpoint is not None else 0)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         tree = self._tree  # this one tree for the whole scrape
         holdings = self._holdings() if tree.pools else {}
         families = _families()
@@ -89,6 +94,7 @@ class TreeCollector(Collector):
                     families["allocation"].add_metric([resource, device_id, *holder], 1)
             families["kubelet"].add_metric(labels, allocated)
         yield from families.values()
+        yield self._reads()
 
     def _holdings(self) -> Holdings:
         """The checkpoint's (resource, device) -> (pod UID, container); ``{}`` when it is missing
