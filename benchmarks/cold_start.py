@@ -96,7 +96,7 @@ def one_run(index: int, base: Path, host: FakeHost, timeout: float, env: dict[st
             "log_config_loaded": first_log_time(times, lambda m: "devplugd: config " in m and " pools" in m),
             "log_loop_up": first_log_time(times, lambda m: "registration mode:" in m),
             "log_tree_published": first_log_time(times, lambda m: " devices (" in m and "healthy)" in m),
-            "log_first_serving": first_log_time(times, lambda m: "devplugd.endpoint: serving " in m),
+            "log_first_serving": first_log_time(times, lambda m: "devplugd.deviceplugin: serving " in m),
         }
         for key, stamp in marks.items():
             result[key] = (stamp - wall0) if stamp is not None else float("nan")

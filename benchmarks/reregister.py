@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     line("every pool registered again", "registered")
     line("every pool registered again and listed", "listed")
     line("listed, counted from restart() return", "after_sock")
-    serving = len(re.findall(r"devplugd\.endpoint: serving ", log))
+    serving = len(re.findall(r"devplugd\.deviceplugin: serving ", log))
     failed = len(re.findall(r"Register .* failed", log))
     refused = len(re.findall(r"kubelet refused", log))
     expected = POOLS * (1 + len(rows))

@@ -20,6 +20,7 @@ clearly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -166,8 +167,10 @@ class CdiWriter(TreeFollower):
     def __init__(self, directory: Path) -> None:
         super().__init__(self.update, SETTLE_SECONDS)
         self._directory = directory
+        # file name -> the digest of what it holds (the spec itself is not kept: with thousands of
+        # devices it is a megabyte, and only a change has to be told from no change)
         self._written: dict[str, bytes] = {}
-        self._built: dict[str, tuple[ResourcePool, bytes, _Fragments]] = {}  # resource -> its last spec
+        self._built: dict[str, tuple[ResourcePool, bytes, _Fragments]] = {}  # resource -> its last spec's digest
 
     def remove_all(self) -> None:
         """Remove every devplugd CDI spec of a pool (at start and at stop); claims' specs stay."""
@@ -182,24 +185,29 @@ class CdiWriter(TreeFollower):
         self._built.clear()
 
     def update(self, tree: DeviceTree) -> None:
-        wanted: dict[str, bytes] = {}
+        to_write: dict[str, tuple[bytes, bytes]] = {}  # file name -> (spec, its digest)
+        kept: set[str] = set()
         built: dict[str, tuple[ResourcePool, bytes, _Fragments]] = {}
         for pool in tree.pools.values():
-            if len(pool.devices) > len(pool.vanished):
-                known = self._built.get(pool.resource)
-                if known is None or known[0] is not pool:  # pools that did not change are the same object
-                    content, fragments = spec_bytes(pool, known[2] if known is not None else {})
-                    known = (pool, content, fragments)
-                built[pool.resource] = known
-                wanted[spec_file_name(pool.resource)] = known[1]
+            if len(pool.devices) <= len(pool.vanished):
+                continue
+            name = spec_file_name(pool.resource)
+            kept.add(name)
+            known = self._built.get(pool.resource)
+            # pools that did not change are the same object; one whose file is not written yet is encoded again
+            if known is None or known[0] is not pool or self._written.get(name) != known[1]:
+                content, fragments = spec_bytes(pool, known[2] if known is not None else {})
+                known = (pool, hashlib.sha256(content).digest(), fragments)
+                if self._written.get(name) != known[1]:
+                    to_write[name] = (content, known[1])
+            built[pool.resource] = known
         self._built = built
         try:
-            for name, content in wanted.items():
-                if self._written.get(name) != content:
-                    self._directory.mkdir(parents=True, exist_ok=True)
-                    write_atomically(self._directory / name, content, mode=0o644, durable=False)
-                    self._written[name] = content
-            for name in [n for n in self._written if n not in wanted]:
+            for name, (content, digest) in to_write.items():
+                self._directory.mkdir(parents=True, exist_ok=True)
+                write_atomically(self._directory / name, content, mode=0o644, durable=False)
+                self._written[name] = digest
+            for name in [n for n in self._written if n not in kept]:
                 (self._directory / name).unlink(missing_ok=True)
                 del self._written[name]
         except OSError as error:

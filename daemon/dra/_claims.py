@@ -48,6 +48,10 @@ class ClaimRef:
         return f"claim {self.namespace}/{self.name}"
 
 
+class ClaimNotFound(Exception):
+    """The API server has no such claim (404)."""
+
+
 class ClaimRefused(Exception):
     """A claim that cannot be prepared; the message (the claim's error) says which and why."""
 

@@ -24,7 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -38,14 +38,15 @@ from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.supervise import Backoff, keep_running
 
-from ._claims import ClaimBook
-from ._health import HealthServicer
+from ._claims import ClaimBook, ClaimNotFound
 from ._kube import ApiLink, KubeError, NotFound
 from ._pools import DraPools
-from ._prepare import ClaimNotFound, ClaimPreparer
 from ._publisher import SlicePublisher
-from ._servicer import DraPluginServicer
-from ._sockets import DraSockets
+
+if TYPE_CHECKING:
+    from ._health import HealthServicer
+    from ._prepare import ClaimPreparer
+    from ._sockets import DraSockets
 
 log = logging.getLogger("devplugd.dra")
 
@@ -64,22 +65,22 @@ class DraDriver:
         metrics: Metrics | None = None,
     ) -> None:
         self._settings = settings
+        self._notifier = notifier
         self._nursery = nursery
         self._follow_socket_dir = follow_socket_dir
         self._holdings = holdings
         self._post = post
-        metrics = metrics or Metrics()
-        hooks = {name: Hooks.of(handler) for name, handler in handlers.items()}
+        self._metrics = metrics or Metrics()
+        self._hooks = {name: Hooks.of(handler) for name, handler in handlers.items()}
         self.claims = claims
         self.link = ApiLink(settings)
-        self.publisher = SlicePublisher(settings, self.link, metrics, on_server=self._on_server)
-        self.pools = DraPools(settings.dra_driver, settings.node_name, hooks, self.publisher, self._withheld)
-        self.preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, claims,
-                                      lambda: notifier.tree, hooks, self._get_claim, self._changed,
-                                      holders=holdings.holder, metrics=metrics)
-        self.health = HealthServicer(notifier, settings.node_name, metrics=metrics)
-        self.sockets = DraSockets(settings, DraPluginServicer(self.preparer), self.health)
+        self.publisher = SlicePublisher(settings, self.link, self._metrics, on_server=self._on_server)
+        self.pools = DraPools(settings.dra_driver, settings.node_name, self._hooks, self.publisher, self._withheld)
         self.started = False
+        # the kubelet plugin, made when the driver starts (see _plugin)
+        self.preparer: ClaimPreparer | None = None
+        self.health: HealthServicer | None = None
+        self.sockets: DraSockets | None = None
 
     def _changed(self, reason: str) -> None:
         self._post(ClaimsChanged(reason))
@@ -92,8 +93,23 @@ class DraDriver:
             self._changed(reason)
 
     def socket_removed(self, path: str) -> None:
-        if self.started:
+        if self.sockets is not None:
             self.sockets.socket_removed(path)
+
+    def _plugin(self) -> tuple[ClaimPreparer, HealthServicer, DraSockets]:
+        """The kubelet plugin: its modules (gRPC services and the generated DRA messages) are
+        imported here, when a DRA pool or a prepared claim first needs them."""
+        from ._health import HealthServicer
+        from ._prepare import ClaimPreparer
+        from ._servicer import DraPluginServicer
+        from ._sockets import DraSockets
+
+        settings = self._settings
+        preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, self.claims,
+                                 lambda: self._notifier.tree, self._hooks, self._get_claim, self._changed,
+                                 holders=self._holdings.holder, metrics=self._metrics)
+        health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics)
+        return preparer, health, DraSockets(settings, DraPluginServicer(preparer), health)
 
     def warm_up(self) -> None:
         """Import the Kubernetes client and read the credentials now, in a worker thread, while
@@ -109,7 +125,8 @@ class DraDriver:
         if not self.started and (self.claims.claims or self.claims.lost or any(
                 pool.road in (DRA_ROAD, WITHHELD_ROAD) for pool in tree.pools.values())):
             self.started = True
-            self._nursery.start_soon(self._run, name="the DRA driver")
+            self.preparer, self.health, self.sockets = self._plugin()
+            self._nursery.start_soon(self._run, self.preparer, self.health, self.sockets, name="the DRA driver")
         if self.started:
             self.pools.offer(tree)
 
@@ -120,18 +137,18 @@ class DraDriver:
         except NotFound as error:
             raise ClaimNotFound(f"claim {namespace}/{name} is not on the API server") from error
 
-    async def _run(self) -> None:
+    async def _run(self, preparer: ClaimPreparer, health: HealthServicer, sockets: DraSockets) -> None:
         settings = self._settings
         log.info("DRA driver %s for node %s: plugin socket %s, registration %s", settings.dra_driver,
                  settings.node_name, settings.dra_socket, settings.dra_registration_socket, extra={"EVENT": "dra"})
         for directory in (settings.dra_socket.parent, settings.plugins_registry_dir):
             self._follow_socket_dir(directory)
-        await self.preparer.restore()
+        await preparer.restore()
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.sockets.run)
+                await nursery.start(sockets.run)
                 nursery.start_soon(keep_running, "the ResourceSlice publisher", self.publisher.run,
                                    Backoff(first=0.5, maximum=10.0))
         finally:
-            self.health.close_streams()
+            health.close_streams()
             self.link.close()

@@ -55,7 +55,16 @@ from daemon.core._tree import DeviceTree
 from daemon.holdings import Holder, HolderLookup, claim_asks, refusal, road_refusal
 from daemon.metrics import Metrics
 
-from ._claims import AllocationResult, ClaimBook, ClaimRef, ClaimRefused, PreparedClaim, PreparedDevice, driver_results
+from ._claims import (
+    AllocationResult,
+    ClaimBook,
+    ClaimNotFound,
+    ClaimRef,
+    ClaimRefused,
+    PreparedClaim,
+    PreparedDevice,
+    driver_results,
+)
 from ._claimspecs import Chosen, ClaimSpecs
 from ._names import device_name, pool_name
 
@@ -64,10 +73,6 @@ log = logging.getLogger("devplugd.dra")
 CLAIM_GET_TIMEOUT = 10.0  # seconds for one claim's GET: the kubelet's whole call has 45
 # A claim UID is a UUID; anything that is not a CDI device-name start and safe in a file name is refused.
 _UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
-
-
-class ClaimNotFound(Exception):
-    """The API server has no such claim (404)."""
 
 
 @dataclass(frozen=True)

@@ -66,18 +66,19 @@ def group_device(functions: Sequence[tuple[str, DeviceInfo]]) -> tuple[str, Devi
     )
 
 
-def group_index(devices: Iterable[PciDevice]) -> dict[str, set[str]]:
-    """IOMMU group -> the addresses of its functions (no-IOMMU groups left out)."""
-    index: dict[str, set[str]] = {}
+def group_index(devices: Iterable[PciDevice]) -> dict[str, tuple[str, ...]]:
+    """IOMMU group -> the addresses of its functions (no-IOMMU groups left out). Tuples, not
+    sets: nearly every group has one function, and 4096 one-element sets cost 0.7 MB more."""
+    index: dict[str, tuple[str, ...]] = {}
     for device in devices:
         if device.iommu_group is not None and not device.noiommu:
-            index.setdefault(device.iommu_group, set()).add(device.address)
+            index[device.iommu_group] = (*index.get(device.iommu_group, ()), device.address)
     return index
 
 
 def apply_groups(
     functions: Mapping[str, Mapping[str, DeviceInfo]],
-    groups: Iterable[set[str]],
+    groups: Iterable[tuple[str, ...]],
     devices: Mapping[str, PciDevice],
     placed: Mapping[str, str],
 ) -> dict[str, dict[str, DeviceInfo]]:

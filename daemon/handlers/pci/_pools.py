@@ -89,7 +89,7 @@ class _Built:
     functions: dict[str, Mapping[str, DeviceInfo]] = field(default_factory=dict)  # resource -> one per function
     devices: dict[str, Mapping[str, DeviceInfo]] = field(default_factory=dict)  # resource -> devices offered
     link_users: dict[str, set[str]] = field(default_factory=dict)  # ifname -> addresses
-    groups: dict[str, set[str]] = field(default_factory=dict)  # IOMMU group -> addresses
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # IOMMU group -> addresses
     group_of: dict[str, str] = field(default_factory=dict)  # address -> IOMMU group
     shared_groups: set[str] = field(default_factory=set)  # the groups of several functions
     grouped: set[str] = field(default_factory=set)  # resources whose devices are not their functions
@@ -149,16 +149,16 @@ class PoolBuilder:
             old_group = built.group_of.pop(address, None)
             if old_group is not None:
                 groups.add(old_group)
-                built.groups[old_group].discard(address)
+                built.groups[old_group] = tuple(member for member in built.groups[old_group] if member != address)
             device = facts.devices.get(address)
             if device is not None and device.iommu_group is not None and not device.noiommu:
                 groups.add(device.iommu_group)
-                built.groups.setdefault(device.iommu_group, set()).add(address)
+                built.groups[device.iommu_group] = (*built.groups.get(device.iommu_group, ()), address)
                 built.group_of[address] = device.iommu_group
         expanded = set(affected)
         for group in groups:
-            members = built.groups.get(group, set())
-            expanded |= members
+            members = built.groups.get(group, ())
+            expanded.update(members)
             if not members:
                 built.groups.pop(group, None)
             if len(members) > 1:
