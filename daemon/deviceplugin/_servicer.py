@@ -163,6 +163,10 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         self._scope = listing_scope(resource, hooks.name)
         self._streams: set[TreeStream] = set()
         self._messages = ListingMessages()
+        # the resource's series, looked up once (labels() takes a lock: microseconds a call)
+        self._allocate_calls = self._metrics.allocate_calls.labels(resource)
+        self._allocate_duration = self._metrics.allocate_duration.labels(resource)
+        self._allocate_refusals = self._metrics.allocate_refusals.labels(resource)
 
     def _pool(self, tree: DeviceTree | None = None) -> ResourcePool | None:
         return served_pool(tree or self._notifier.tree, self.resource, self._hooks.name)
@@ -228,9 +232,8 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     async def Allocate(
         self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[dp.AllocateRequest, dp.AllocateResponse]
     ) -> dp.AllocateResponse:
-        self._metrics.allocate_calls.labels(self.resource).inc()
-        with self._metrics.allocate_duration.labels(self.resource).time(), \
-                self._metrics.allocate_refusals.labels(self.resource).count_exceptions():
+        self._allocate_calls.inc()
+        with self._allocate_duration.time(), self._allocate_refusals.count_exceptions():
             return await self._allocate(request, context)
 
     async def _allocate(
