@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import trio
 
-from daemon.core._mailbox import TreeMailbox
+from daemon.core._notifier import TreeMailbox
 from daemon.core._tree import DeviceTree
 
 

@@ -8,7 +8,9 @@ Everything waiting on the bus is handled as one batch, so a burst (256 VFs from 
   Resyncs the batch holds, before the batch's other events are folded;
 * a ``UEvent`` is folded into the facts of each handler whose ``subsystems`` include it
   (an empty set means every subsystem); link events go to handlers that set ``wants_links``;
-  a ``DeviceChanged`` goes to the handler that sent it;
+  a ``DeviceChanged`` goes to the handler that sent it. Only handlers the config gives pools
+  scan and fold: the others' facts would serve nobody (a reload that gives one its first pool
+  scans it then);
 * ``ConfigChanged`` reloads the config once per batch, validated by the running handlers; on
   error the old config keeps being served;
 * ``LeasesChanged`` and ``ClaimsChanged`` (who holds what changed: a host lease, a DRA claim, a
@@ -187,20 +189,21 @@ class EventLoop:
         (from a fold that may block, when a health loss was folded before it)."""
         changed = False
         rescans: dict[str, Resync] = {}
+        active = self._active()
         for event in batch:
             if isinstance(event, Resync):
-                for name in self._handlers if event.handler is None else [event.handler]:
+                for name in active if event.handler is None else [event.handler]:
                     rescans.setdefault(name, event)
         for name, resync in rescans.items():
-            if name in self._handlers:
+            if name in active:
                 changed |= await self._rescan(name, resync)
         reload_reasons: list[str] = []
         lost_health = False
         unrouted: list[Event] = []
         for index, event in enumerate(batch):
             if isinstance(event, UEvent):
-                wanting = [name for name, handler in self._handlers.items()
-                           if not handler.subsystems or event.subsystem in handler.subsystems]
+                wanting = [name for name, handler in self._handlers.items() if name in active
+                           and (not handler.subsystems or event.subsystem in handler.subsystems)]
                 blocking = {name for name in wanting if self._fold_may_block(name, event)}
                 if blocking and lost_health and changed:  # publish the loss first: this fold may wait on the kernel
                     unrouted = batch[index:]
@@ -210,11 +213,11 @@ class EventLoop:
                 changed |= self._count_kernel_event("uevent", outcomes)
                 lost_health |= self._health_step(event) == HEALTH_LOST
             elif isinstance(event, DeviceChanged):
-                if event.handler in self._handlers:
+                if event.handler in active:
                     changed |= await self._fold(event.handler, event, in_thread=False) == CHANGED
             elif isinstance(event, (LinkChanged, LinkSnapshot)):
                 outcomes = [await self._fold(name, event, in_thread=False) for name, handler in self._handlers.items()
-                            if getattr(handler, "wants_links", False)]
+                            if name in active and getattr(handler, "wants_links", False)]
                 changed |= self._count_kernel_event("rtnetlink", outcomes)
             elif isinstance(event, ConfigChanged):
                 reload_reasons.append(event.reason)
@@ -224,7 +227,26 @@ class EventLoop:
                 self._holdings.checkpoint.mark_changed()
                 changed |= any(pool.vanished or pool.road == DRA_ROAD for pool in self._notifier.tree.pools.values())
         reloaded = bool(reload_reasons) and self._reload(reload_reasons)
+        if reloaded:
+            await self._follow_active(active)
         return changed or reloaded, bool(rescans) or reloaded, unrouted
+
+    def _active(self) -> set[str]:
+        """The handlers the config gives pools: only they scan and fold (the others' facts would
+        serve nobody, and reading the host for them costs every event)."""
+        return {pool.handler for pool in self._config.pools}
+
+    async def _follow_active(self, before: set[str]) -> None:
+        """After a reload: a handler that lost its last pool forgets its facts; one that got its
+        first scans the host now (facts it stopped following are stale)."""
+        active = self._active()
+        for name in before - active:
+            self._facts.pop(name, None)
+            self._built.pop(name, None)
+        for name in sorted(active - before):
+            if name in self._handlers:
+                self._facts.pop(name, None)
+                await self._rescan(name, Resync(name, "its first pool was configured"))
 
     def _count_kernel_event(self, source: str, outcomes: list[str]) -> bool:
         """Count one event by the outcomes of its folds; whether any handler's facts changed."""

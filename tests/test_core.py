@@ -9,8 +9,7 @@ import trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, DeviceSpec, ResourcePool, default_allocation
-from daemon.core._mailbox import TreeMailbox
-from daemon.core._notifier import Notifier
+from daemon.core._notifier import Notifier, TreeMailbox
 from daemon.core._tree import DeviceTree, ResourceDiff
 from daemon.deviceplugin import ListingMessages, device_message
 from daemon.supervise import Backoff, keep_running

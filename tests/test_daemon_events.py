@@ -98,7 +98,7 @@ def test_garbage_uevents_are_logged_and_the_daemon_keeps_serving(host, kubelet, 
     create_vfs(host, seam, 1, 1)
     kubelet.wait_for_devices("intel.com/dpdk", 2)
     assert daemon.process.poll() is None
-    daemon.wait_for_log("devplugd.sources")
+    daemon.wait_for_log("devplugd.uevents")
 
 
 # -- config reload ---------------------------------------------------------------------------

@@ -5,11 +5,13 @@ systemd-udevd writes them (tests/usbtree.py)."""
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 
-from daemon.core import DeviceSpec
+import daemon.handlers.devnode
+from daemon.core import DeviceSpec, UEvent
 from daemon.core._config import ConfigFileError
 from tests.devnodes import DevNodes
 from tests.fakesysfs import FakeHost
@@ -416,3 +418,27 @@ def test_without_a_readable_database_the_udev_events_properties_keep_selecting_t
     tty_add = next(name for name in selected_after if name.endswith("/tty/ttyUSB0"))
     later = list(selected_after)[list(selected_after).index(tty_add):]
     assert {name: selected_after[name] for name in later} == {name: {"ttyUSB0"} for name in later}
+
+
+def test_a_pcie_error_report_of_a_device_above_nodes_reads_nothing(
+        nodes: DevNodes, tree: UsbTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    """During a fatal reset the kernel holds the device locks below the port for seconds: the
+    ``change`` uevents of PCIe error recovery (ERROR_EVENT) say nothing of a node's properties, so
+    nothing is read for them (a plain ``change`` of the same controller reads its nodes again)."""
+    facts = nodes.handler.scan()
+    reads: list[str] = []
+    real = daemon.handlers.devnode.read_record
+
+    def counting(context: Any, relative: str, *args: Any, **kwargs: Any) -> Any:
+        reads.append(relative)
+        return real(context, relative, *args, **kwargs)
+
+    monkeypatch.setattr(daemon.handlers.devnode, "read_record", counting)
+    devpath = f"/devices/pci0000:00/{tree.controller}"
+    for error_event in ("BEGIN_RECOVERY", "FAILED_RECOVERY"):
+        report = UEvent("change", devpath, "pci", None,
+                        MappingProxyType({"ERROR_EVENT": error_event, "DEVICE_ONLINE": "0"}))
+        assert nodes.handler.fold(facts, report) is facts
+    assert reads == []
+    nodes.handler.fold(facts, UEvent("change", devpath, "pci"))
+    assert reads  # the nodes below the controller, read again

@@ -13,7 +13,7 @@ import trio_asyncio
 
 import daemon.checkpoint
 from daemon.checkpoint import CHECKPOINT_NAME, read_holdings
-from daemon.core import HEALTHY, UNHEALTHY, Event, Resync
+from daemon.core import HEALTHY, UNHEALTHY, Event, Resync, UEvent
 from daemon.core._config import DaemonConfig, parse_config
 from daemon.core._events import CheckpointChanged, ConfigChanged
 from daemon.core._notifier import Notifier
@@ -236,3 +236,36 @@ async def test_a_pool_removed_by_a_reload_takes_its_vanished_devices_with_it(sho
         await running.handle(ConfigChanged("test"))
         assert set(running.notifier.tree.pools) == {"example.com/others"}
         assert health(running, "others") == {"d0": HEALTHY, "d1": HEALTHY}
+
+
+class OtherHandler(CountingHandler):
+    name = "other"
+    device_types = frozenset({"other"})
+
+
+async def test_a_handler_without_pools_neither_scans_nor_folds_until_a_reload_gives_it_one(short_tmp):
+    """Its facts would serve nobody, and reading the host for them costs every event (a devNode
+    handler reading nodes below a PCI device under a fatal reset blocked the loop for seconds)."""
+    counting, other = CountingHandler(), OtherHandler()
+    parsers = {"counted": ("counting", counting.parse_pool), "other": ("other", other.parse_pool)}
+    both = json.dumps({"resourceList": [{"resourceName": "things", "deviceType": "counted", "selectors": {}},
+                                        {"resourceName": "more", "deviceType": "other", "selectors": {}}]})
+    config = parse_config(json.dumps({"resourceList": [
+        {"resourceName": "things", "deviceType": "counted", "selectors": {}}]}), "test", "example.com", parsers)
+    async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+        notifier, metrics = Notifier(), Metrics()
+        loop = EventLoop({"counting": counting, "other": other}, config, notifier,
+                         lambda: parse_config(both, "test", "example.com", parsers), holdings_for(short_tmp / "dp"),
+                         metrics=metrics)
+        send, receive = trio.open_memory_channel[Event](16)
+        nursery.start_soon(loop.run, receive)
+        for event in (Resync(None, "start"), Resync("other", "asked"), UEvent("add", "/devices/x", "pci")):
+            handled = batches(metrics)
+            await send.send(event)
+            await wait_for_batches(metrics, handled + 1)
+        assert (counting.scans, other.scans) == (1, 0)
+        handled = batches(metrics)
+        await send.send(ConfigChanged("test"))
+        await wait_for_batches(metrics, handled + 1)
+        assert other.scans == 1 and set(notifier.tree.pools) == {"example.com/things", "example.com/more"}
+        nursery.cancel_scope.cancel()

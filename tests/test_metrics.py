@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
 from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, ResourcePool
-from daemon.core._mailbox import TreeStream
+from daemon.core._notifier import TreeStream
 from daemon.core._tree import DeviceTree
 from daemon.deviceplugin._servicer import listing_scope
 from daemon.metrics import CHANGED, FAILED, IGNORED, UNCHANGED, Liveness, Metrics, MetricsServer, metrics_outcome

@@ -17,8 +17,7 @@ import trio
 
 from daemon.core import HEALTH_LOST, HEALTH_RESTORED, HEALTHY, UNHEALTHY, DeviceInfo, Event, PoolEntry, Resync, UEvent
 from daemon.core._config import parse_config
-from daemon.core._mailbox import TreeStream
-from daemon.core._notifier import Notifier
+from daemon.core._notifier import Notifier, TreeStream
 from daemon.core._tree import DeviceTree
 from daemon.deviceplugin import _servicer
 from daemon.deviceplugin._servicer import listing_scope

@@ -122,7 +122,7 @@ async def test_kernel_source_carries_synthetic_arguments(zram: ZramDevices) -> N
 async def test_kernel_source_overflow_sends_resync_and_recovers(
     zram: ZramDevices, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="devplugd.sources")
+    caplog.set_level(logging.WARNING, logger="devplugd.uevents")
     source = KernelUEventSource(BLOCK, receive_buffer=4096)  # room for a handful of messages
     async with running(source) as receive:
         index = zram.add()

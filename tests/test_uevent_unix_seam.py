@@ -75,7 +75,7 @@ async def test_unix_seam_without_filter_passes_every_subsystem(short_tmp: Path) 
 
 async def test_unix_seam_logs_and_skips_garbage(short_tmp: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = short_tmp / "ue.sock"
-    caplog.set_level(logging.WARNING, logger="devplugd.sources")
+    caplog.set_level(logging.WARNING, logger="devplugd.uevents")
     async with running(UnixUEventSource(path, BLOCK)) as receive:
         send_datagram(path, b"\xff\xfegarbage\nwith a newline")
         send_datagram(path, b"libudev\0\xfe\xed\xca\xfe")
@@ -83,7 +83,7 @@ async def test_unix_seam_logs_and_skips_garbage(short_tmp: Path, caplog: pytest.
         send_datagram(path, ZRAM_ADD)
         event = await next_matching(receive, lambda e: True)
     assert event == parse_kernel_uevent(ZRAM_ADD)
-    warnings = [r for r in caplog.records if r.name == "devplugd.sources"]
+    warnings = [r for r in caplog.records if r.name == "devplugd.uevents"]
     assert [r.levelno for r in warnings] == [logging.WARNING] * 3
     assert all(getattr(r, "EVENT", None) == "uevent-malformed" for r in warnings)
     messages = [r.getMessage() for r in warnings]

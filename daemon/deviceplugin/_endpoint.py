@@ -28,7 +28,6 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon.core._handler import AnyHandler, Hooks
 from daemon.core._notifier import Notifier
-from daemon.core._tree import DeviceTree
 from daemon.holdings import HolderLookup
 from daemon.metrics import Metrics
 from daemon.settings import Settings
@@ -127,11 +126,6 @@ class ResourceEndpoint:
         self._generation += 1
         directory = self._settings.device_plugin_dir
         return directory / socket_file_name(self.resource, f"{self._start_token}.{self._generation}", directory)
-
-    def offer(self, tree: DeviceTree) -> None:
-        """The resource's kubelet-visible list changed in ``tree``: tell the ListAndWatch streams."""
-        if self._servicer is not None:
-            self._servicer.offer(tree)
 
     def kubelet_started(self) -> None:
         self.kick.kubelet_started = True

@@ -1,13 +1,13 @@
 """The kubelet's side of the tree: one ResourceEndpoint task per resource that has devices.
 
-``Endpoints`` is a subscriber of the notifier. Each tree it is offered does two cheap things and
-returns: it starts, restarts or withdraws endpoints (a resource gets its server the first time
-its pool has a device, so the kubelet never sees an empty first list from us, and keeps it until
-the pool leaves the config or is moved to DRA; it is served again, and registers again, when its options change, as
-a reloaded ``allocationPolicy`` does, since the kubelet reads them only at registration), and it
-hands each resource whose kubelet-visible list changed to that endpoint's ListAndWatch streams,
-each a one-slot mailbox. Kubelet events (``kubelet.sock`` created, our sockets removed) come on
-their own channel from the inotify source and go to every endpoint, which decides for itself.
+``Endpoints`` is a subscriber of the notifier. Each tree it is offered starts, restarts or
+withdraws endpoints and returns: a resource gets its server the first time its pool has a
+device, so the kubelet never sees an empty first list from us, and keeps it until the pool
+leaves the config or is moved to DRA; it is served again, and registers again, when its options
+change, as a reloaded ``allocationPolicy`` does, since the kubelet reads them only at
+registration. The ListAndWatch streams are subscribers of the notifier themselves (see
+``_servicer.py``). Kubelet events (``kubelet.sock`` created, our sockets removed) come on their
+own channel from the inotify source and go to every endpoint, which decides for itself.
 """
 
 from __future__ import annotations
@@ -88,13 +88,7 @@ class Endpoints:
 
     def offer(self, tree: DeviceTree) -> None:
         previous, self._tree = self._tree, tree
-        diff = tree.diff(previous)
-        self._sync(tree, diff)
-        for resource, resource_diff in diff.resources.items():
-            # only what an endpoint serves: a DRA pool of 4096 devices costs two sorted listings
-            current = self._endpoints.get(resource)
-            if current is not None and resource_diff.listing_changed:
-                current[0].offer(tree)
+        self._sync(tree, tree.diff(previous))
 
     def _sync(self, tree: DeviceTree, diff: TreeDiff) -> None:
         for resource, pool in tree.pools.items():
@@ -104,8 +98,7 @@ class Endpoints:
             if current is not None and current[0].handler_name != pool.handler:
                 log.info("%s moved to handler %s: serving it again", resource, pool.handler,
                          extra={"RESOURCE": resource})
-                current[0].offer(tree)  # its streams end with an empty list
-                current[1].cancel()
+                current[1].cancel()  # its streams (subscribers too) see the pool gone: an empty list
                 del self._endpoints[resource]
             if resource in self._endpoints:
                 if resource in diff.resources:  # a pool that did not change has the options it had
@@ -125,8 +118,7 @@ class Endpoints:
             moved = tree.pools.get(resource)
             log.info("withdrawing %s%s", resource, f" (now served through {moved.road})" if moved is not None else "",
                      extra={"RESOURCE": resource})
-            endpoint.offer(tree)  # its streams end with an empty list
-            scope.cancel()
+            scope.cancel()  # its streams (subscribers too) see the pool gone: an empty list
             self._endpoint_changed()
 
     async def _run_endpoint(self, endpoint: ResourceEndpoint, scope: trio.CancelScope) -> None:

@@ -20,8 +20,7 @@ from daemon.cdi import with_cdi_names
 from daemon.core import HEALTHY, AllocationError, ContainerAllocation, ResourcePool
 from daemon.core._allocation import HandlerFailed
 from daemon.core._handler import Hooks, allocate_container
-from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
-from daemon.core._notifier import Notifier
+from daemon.core._notifier import MailboxClosed, Notifier, Scope, TreeStream
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DeviceTree
 from daemon.holdings import KUBELET_ASKS, UNHEALTHY, UNKNOWN, VANISHED, HolderLookup, refusal
 from daemon.metrics import LISTANDWATCH, Metrics
@@ -35,7 +34,7 @@ MAX_IDS_NAMED = 5
 # than COALESCE_MAX_DELAY, then the newest list goes: 256 VFs created one by one over half a
 # second become a handful of lists, and the final one follows the last change within
 # COALESCE_QUIET. Timers run only while a change is waiting, never while idle. A list in which a
-# device became Unhealthy is never held nor conflated away (see daemon.core._mailbox).
+# device became Unhealthy is never held nor conflated away (see daemon.core._notifier).
 COALESCE_QUIET = 0.025
 COALESCE_MAX_DELAY = 0.25
 
@@ -49,7 +48,7 @@ def served_pool(tree: DeviceTree, resource: str, handler: str) -> ResourcePool |
     return pool
 
 
-def listing_scope(resource: str, handler: str) -> HealthScope:
+def listing_scope(resource: str, handler: str) -> Scope:
     """What a ListAndWatch stream follows: the devices of its resource's list."""
     def unhealthy(tree: DeviceTree) -> frozenset[Hashable]:
         pool = served_pool(tree, resource, handler)
@@ -61,7 +60,10 @@ def listing_scope(resource: str, handler: str) -> HealthScope:
         pool = served_pool(tree, resource, handler)
         return pool is not None and pool.listed(device_id)
 
-    return HealthScope(unhealthy, listed)
+    def concerns(old: DeviceTree, new: DeviceTree) -> bool:  # a tree keeps an unchanged pool's object
+        return old.pools.get(resource) is not new.pools.get(resource)
+
+    return Scope(concerns, unhealthy, listed)
 
 
 def device_message(device_id: str, health: str, numa_nodes: tuple[int, ...]) -> dp.Device:
@@ -149,8 +151,9 @@ def container_response(allocation: ContainerAllocation) -> dp.ContainerAllocateR
 
 
 class DevicePluginServicer(dp_grpc.DevicePluginServicer):
-    """DevicePlugin for one resource. Allocate reads the notifier's current tree; ListAndWatch
-    streams hear of changes through ``offer``, which the resource's endpoint calls."""
+    """DevicePlugin for one resource. Allocate reads the notifier's current tree; each
+    ListAndWatch stream is a subscriber of the notifier (a ``TreeStream`` that wakes only for
+    trees in which its resource changed)."""
 
     def __init__(self, resource: str, hooks: Hooks, notifier: Notifier, with_cdi: bool = False,
                  metrics: Metrics | None = None, holders: HolderLookup | None = None) -> None:
@@ -170,11 +173,6 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
 
     def _pool(self, tree: DeviceTree | None = None) -> ResourcePool | None:
         return served_pool(tree or self._notifier.tree, self.resource, self._hooks.name)
-
-    def offer(self, tree: DeviceTree) -> None:
-        """The resource's list changed in ``tree``: every open stream gets it."""
-        for stream in self._streams:
-            stream.offer(tree)
 
     def close_streams(self) -> None:
         """End every open ListAndWatch stream (before the server stops or we register again)."""
@@ -207,6 +205,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         pool = self._pool(tree)
         stream = TreeStream(self._scope, tree)
         self._streams.add(stream)
+        self._notifier.subscribe(stream)
         self._metrics.tree_streams.labels(LISTANDWATCH).inc()
         try:
             last_listing = pool.listing if pool is not None else ()
@@ -226,6 +225,7 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
         except MailboxClosed:
             return
         finally:
+            self._notifier.unsubscribe(stream)
             self._streams.discard(stream)
             self._metrics.tree_streams.labels(LISTANDWATCH).dec()
 

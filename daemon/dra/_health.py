@@ -35,8 +35,7 @@ import grpc
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from daemon.core import HEALTHY
-from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
-from daemon.core._notifier import Notifier
+from daemon.core._notifier import MailboxClosed, Notifier, Scope, TreeStream
 from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.metrics import DRA_HEALTH, Metrics
 
@@ -91,7 +90,8 @@ def _has(tree: DeviceTree, key: Hashable) -> bool:
     return pool is not None and pool.road == DRA_ROAD and device_id in pool.devices
 
 
-HEALTH_SCOPE = HealthScope(_unhealthy, _has)  # a health stream follows the devices of the DRA pools
+# a health stream follows the devices of the DRA pools
+HEALTH_SCOPE = Scope(lambda old, new: _dra_pools_changed(old, new), _unhealthy, _has)
 
 
 class HealthServicer(health_grpc.DRAResourceHealthServicer):
@@ -143,9 +143,6 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
             while True:
                 tree = await stream.next(resend_at - loop.time())
                 if tree is not None:
-                    if not _dra_pools_changed(sent_tree, tree):
-                        sent_tree = tree
-                        continue
                     sent_tree = tree
                     new_report = health_report(tree, self._node_name)
                     if new_report == report:

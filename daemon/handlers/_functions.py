@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from os.path import join
 
-from daemon.core import SysfsError, list_dir, read_int, read_text
+from daemon.core import SysfsError, UEvent, list_dir, read_int, read_text
 
 from ._linktypes import link_type_name
 
@@ -118,3 +118,11 @@ def read_rdma_char_devices(sysfs_root: str, dev_root: str, below: str | None = N
             paths.append(RDMA_CM)
         result[rdma_device] = tuple(paths)
     return result
+
+
+def is_pcie_error_report(event: UEvent) -> bool:
+    """A PCIe error recovery uevent (``change`` with ``ERROR_EVENT``, the kernel sends it for
+    every function below the port it recovers). It says nothing of a device's properties, and
+    during a fatal reset the kernel holds the device locks below the port for seconds: a handler
+    that does not follow recovery ignores it rather than read sysfs then."""
+    return event.action == "change" and event.subsystem == "pci" and "ERROR_EVENT" in event.properties

@@ -28,8 +28,7 @@ from trio_asyncio import aio_as_trio, trio_as_aio
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 from daemon.core import HEALTHY, ResourcePool
-from daemon.core._mailbox import HealthScope, MailboxClosed, TreeStream
-from daemon.core._notifier import Notifier
+from daemon.core._notifier import MailboxClosed, Notifier, Scope, TreeStream
 from daemon.core._tree import DeviceTree
 from daemon.holdings import CLAIM, KUBELET, LEASE, DurableBook, Holder, Holdings
 from daemon.metrics import HOST_WATCH, Metrics
@@ -54,7 +53,7 @@ def _has(tree: DeviceTree, key: Hashable) -> bool:
     return pool is not None and device_id in pool.devices
 
 
-WATCH_SCOPE = HealthScope(_unhealthy, _has)  # a Watch follows every device
+WATCH_SCOPE = Scope(lambda old, new: bool(new.diff(old).resources), _unhealthy, _has)  # a Watch follows every device
 
 
 def device_message(pool: ResourcePool, device_id: str, holder: Holder | None) -> host.Device:

@@ -14,8 +14,8 @@ import trio
 
 from daemon.core import UEvent
 from daemon.sources._netlink import raise_receive_buffer
-from daemon.sources._pump import RECEIVE_BUFFER_BYTES, Overflow, SendChannel, log_skipped, pump, subsystem_text
 from daemon.sources.uevent_wire import KERNEL_ACTIONS, UEventError
+from daemon.sources.uevents import RECEIVE_BUFFER_BYTES, Overflow, SendChannel, log_skipped, pump, subsystem_text
 
 
 class _UdevDevice(Protocol):

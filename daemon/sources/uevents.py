@@ -45,18 +45,9 @@ from typing import Any, Protocol
 
 import trio
 
-from daemon.core import UEvent
+from daemon.core import Event, Resync, UEvent
 from daemon.sockets import SUN_PATH_MAX
 from daemon.sources._netlink import raise_receive_buffer
-from daemon.sources._pump import (
-    RECEIVE_BUFFER_BYTES,
-    Overflow,
-    SendChannel,
-    log_skipped,
-    pump,
-    subsystem_text,
-)
-from daemon.sources.udev_monitor import UdevUEventSource
 from daemon.sources.uevent_wire import UEventError, parse_kernel_uevent
 
 log = logging.getLogger("devplugd.uevents")
@@ -66,6 +57,68 @@ KERNEL_GROUP = 1
 MAX_DATAGRAM_BYTES = 16 * 1024  # the kernel's uevent buffer is 2 KiB of properties plus the header
 UDEV_CONTROL = Path("/run/udev/control")
 SOCKET_MODE = 0o600
+RECEIVE_BUFFER_BYTES = 16 * 1024 * 1024
+DRAIN_BATCH = 256  # datagrams read between two trips through trio's scheduler
+OVERFLOW_REASON = "uevent overflow"
+
+SendChannel = trio.MemorySendChannel[Event]
+
+
+class Overflow(Exception):
+    """The kernel dropped messages for this socket (``ENOBUFS``)."""
+
+
+async def pump(
+    fd: object,
+    receive: Callable[[], UEvent | None],
+    name: str,
+    subsystems: frozenset[str],
+    send: SendChannel,
+) -> None:
+    """Forever: sleep until ``fd`` is readable, then send what ``receive`` returns until it is drained.
+
+    ``receive`` returns the next event, ``None`` when nothing is queued, or raises ``Overflow``.
+    Reading in batches keeps a storm of filtered-out messages from starving the other tasks.
+    """
+    overflowed = False
+    while True:
+        await trio.lowlevel.wait_readable(fd)  # type: ignore[arg-type]
+        for _ in range(DRAIN_BATCH):
+            try:
+                event = receive()
+            except Overflow:
+                overflowed = True
+                continue
+            if event is None:
+                if overflowed:
+                    log_overflow(name)
+                    await send.send(Resync(None, OVERFLOW_REASON))
+                    overflowed = False
+                break
+            if wanted(event, subsystems):
+                await send.send(event)
+
+
+def wanted(event: UEvent, subsystems: frozenset[str]) -> bool:
+    return not subsystems or event.subsystem in subsystems
+
+
+def log_skipped(name: str, reason: str) -> None:
+    log.warning("uevent source %s: skipped a malformed message: %s", name, reason, extra={"EVENT": "uevent-malformed"})
+
+
+def log_overflow(name: str) -> None:
+    log.warning(
+        "uevent source %s: the kernel dropped uevents (receive buffer full); rescanning",
+        name,
+        extra={"EVENT": "uevent-overflow"},
+    )
+
+
+def subsystem_text(subsystems: frozenset[str]) -> str:
+    return ", ".join(sorted(subsystems)) if subsystems else "all"
+
+
 
 
 
@@ -87,6 +140,8 @@ def make_uevent_source(spec: str, subsystems: frozenset[str], *, udev_control: P
     if spec == "kernel":
         return KernelUEventSource(subsystems)
     if spec == "udev":
+        from daemon.sources.udev_monitor import UdevUEventSource  # it builds on this module
+
         return UdevUEventSource(subsystems)
     if spec == "none":
         return NullUEventSource()

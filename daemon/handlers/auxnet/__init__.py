@@ -38,7 +38,7 @@ from daemon.core import (
     Resync,
     UEvent,
 )
-from daemon.handlers._functions import PCIE_ROOT, RDMA_SUBSYSTEMS
+from daemon.handlers._functions import PCIE_ROOT, RDMA_SUBSYSTEMS, is_pcie_error_report
 from daemon.handlers._sriov_allocation import allocation_envs, vhost_net_available
 
 from ._discovery import AuxFacts, scan_aux
@@ -78,6 +78,8 @@ class AuxNetHandler:
         if isinstance(event, Resync):  # link states do not live in sysfs: keep them
             return replace(self.scan(), links=facts.links)
         if isinstance(event, UEvent):
+            if is_pcie_error_report(event):  # SFs' health is their netdev's carrier, not PCIe recovery
+                return facts
             return fold_uevent(facts, event, self._sysfs_root, self._dev_root)
         if isinstance(event, (LinkChanged, LinkSnapshot)):
             return fold_links(facts, event)

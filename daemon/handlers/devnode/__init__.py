@@ -36,6 +36,7 @@ from daemon.core import (
     UEvent,
 )
 from daemon.handlers._devnodes import parse_permissions, relative_devname
+from daemon.handlers._functions import is_pcie_error_report
 from daemon.handlers.devnode._nodes import NodeRecord, read_record, scan_records
 from daemon.handlers.devnode._selectors import NodeSelector, parse_selector, path_matches
 
@@ -108,7 +109,8 @@ class DevNodeHandler:
     def fold(self, facts: Mapping[str, NodeRecord], event: Event) -> Mapping[str, NodeRecord]:
         """A uevent with ``DEVNAME`` adds, replaces or removes that one node (devtmpfs made or
         removed it before the kernel sent the event); a ``change``, ``bind`` or ``unbind`` of a
-        device above nodes reads those nodes again; ``Resync`` scans everything again."""
+        device above nodes reads those nodes again (not a PCIe error report: see
+        ``is_pcie_error_report``); ``Resync`` scans everything again."""
         if isinstance(event, Resync):
             return self.scan()
         if not isinstance(event, UEvent):
@@ -131,7 +133,7 @@ class DevNodeHandler:
         return MappingProxyType(updated)
 
     def _fold_ancestor(self, facts: Mapping[str, NodeRecord], event: UEvent) -> Mapping[str, NodeRecord]:
-        if event.action not in ANCESTOR_ACTIONS:
+        if event.action not in ANCESTOR_ACTIONS or is_pcie_error_report(event):
             return facts
         below = event.devpath.rstrip("/") + "/"
         stale = [relative for relative, record in facts.items() if record.devpath and record.devpath.startswith(below)]

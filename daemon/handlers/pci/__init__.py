@@ -36,7 +36,7 @@ from daemon.core import (
     list_dir,
     read_hex_id,
 )
-from daemon.handlers._functions import RDMA_SUBSYSTEMS
+from daemon.handlers._functions import RDMA_SUBSYSTEMS, is_pcie_error_report
 from daemon.handlers._sriov_allocation import allocation_envs
 
 from ._allocation import (
@@ -53,7 +53,7 @@ from ._allocation import (
 from ._attributes import pci_attributes
 from ._discovery import pci_devpath, read_vfio_binding, scan_pci
 from ._facts import PciFacts
-from ._folding import ERROR_EVENTS, fold_links, fold_uevent, is_error_event, recovery_concerns
+from ._folding import ERROR_EVENTS, fold_links, fold_uevent, recovery_concerns
 from ._groups import is_bridge_class
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
@@ -133,7 +133,7 @@ class PciHandler:
         between them, so a recovery of 0.3 ms still shows the kubelet the device Unhealthy."""
         if not isinstance(event, UEvent) or event.subsystem != "pci":
             return None
-        if is_error_event(event):
+        if is_pcie_error_report(event):
             error_event = event.properties["ERROR_EVENT"]
             if error_event not in ERROR_EVENTS:
                 return None

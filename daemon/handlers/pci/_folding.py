@@ -29,6 +29,7 @@ from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
 from daemon.handlers._functions import (
     PCI_ADDRESS,
     RDMA_SUBSYSTEMS,
+    is_pcie_error_report,
     lists_rdma_cm,
     rdma_cm_present,
     read_rdma_char_devices,
@@ -147,11 +148,6 @@ def _child(
     )
 
 
-def is_error_event(event: UEvent) -> bool:
-    """A PCIe error recovery uevent (folded from the event alone)."""
-    return event.action == "change" and event.subsystem == "pci" and "ERROR_EVENT" in event.properties
-
-
 def _with_recovery(facts: PciFacts, address: str, state: str | None) -> PciFacts:
     if facts.recovery.get(address) == state:
         return facts
@@ -196,7 +192,7 @@ def recovery_concerns(facts: PciFacts, event: UEvent) -> bool:
     """Whether folding ``event`` reads sysfs of a function in error recovery (or of its PF or
     VFs, which a fold reads with it): such a read may wait seconds for the kernel's device
     locks, so the loop runs that fold in a worker thread."""
-    if not facts.recovery or is_error_event(event):
+    if not facts.recovery or is_pcie_error_report(event):
         return False
     address = pci_address_of(event.devpath)
     if address is None:
@@ -230,7 +226,7 @@ def fold_rdma(facts: PciFacts, before: PciDevice | None, address: str, sysfs_roo
 
 
 def fold_uevent(facts: PciFacts, event: UEvent, sysfs_root: str, dev_root: str, proc_root: str) -> PciFacts:
-    if is_error_event(event):
+    if is_pcie_error_report(event):
         address = pci_address_of(event.devpath)
         return facts if address is None else fold_error_event(facts, event, address)
     address = pci_address_of(event.devpath)
