@@ -327,6 +327,19 @@ def test_health_reaches_the_kubelet_and_a_prepared_vf_that_vanishes_stays_unheal
                          what="a health list without the gone VF")
 
 
+def published_with_a_claim(api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet,
+                           start_dra: Callable[..., DaemonProcess], name: str,
+                           index: int) -> tuple[DaemonProcess, list[str], tuple[str, str, str]]:
+    """Two VFs published, and VF ``index`` prepared for claim ``name``."""
+    vfs = create_vfs(host, None, 0, 2)
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    wait_published(api, names(*vfs))
+    ref = claim(api, name, vfs[index])
+    dra_kubelet.prepare([ref])
+    return daemon, vfs, ref
+
+
 def test_a_kubelet_allocate_naming_a_device_a_claim_holds_is_refused_by_the_claims_name(
     api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
     short_tmp: Path
@@ -334,12 +347,7 @@ def test_a_kubelet_allocate_naming_a_device_a_claim_holds_is_refused_by_the_clai
     """A pool moved back to the device-plugin API while a claim holds one of its VFs: the list
     leaves it out, and an Allocate naming it anyway (a stale list, a kubelet restart) is refused
     with the claim's name, never granted."""
-    vfs = create_vfs(host, None, 0, 2)
-    daemon = start_dra()
-    dra_kubelet.wait_for_dra(DRIVER)
-    wait_published(api, names(*vfs))
-    ref = claim(api, "holds-it", vfs[1])
-    dra_kubelet.prepare([ref])
+    daemon, vfs, _ = published_with_a_claim(api, host, dra_kubelet, start_dra, "holds-it", 1)
     config_path = short_tmp / "config-0.json"
     config_path.write_text(json.dumps(config("devicePlugin")))
     daemon.process.send_signal(signal.SIGHUP)
@@ -359,12 +367,7 @@ def test_a_lost_claim_book_holds_the_dra_devices_until_its_claims_are_unprepared
     kubelet prepares the one it knows again (its devices are known then), but which devices the
     other holds is unknown, so the DRA pool publishes none and no lease gets one, until the
     operator says they are free."""
-    vfs = create_vfs(host, None, 0, 2)
-    daemon = start_dra()
-    dra_kubelet.wait_for_dra(DRIVER)
-    wait_published(api, names(*vfs))
-    ref = claim(api, "before", vfs[0])
-    dra_kubelet.prepare([ref])
+    daemon, vfs, ref = published_with_a_claim(api, host, dra_kubelet, start_dra, "before", 0)
     assert daemon.stop() == 0
     (short_tmp / "state" / "dra-claims.json").write_bytes(b"\xff{ torn")
     spec = short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json"

@@ -207,14 +207,19 @@ class Trees:
         self.trees.append(tree)
 
 
-async def test_the_loop_publishes_the_unhealthy_tree_before_folding_the_recovery():
-    handler = RecoveringHandler()
+def recording_loop(handler: RecoveringHandler) -> tuple[EventLoop, Trees]:
+    """An event loop serving pool ``things`` of ``handler``, and every tree it publishes."""
     config = parse_config('{"resourceList": [{"resourceName": "things", "deviceType": "counted", "selectors": {}}]}',
                           "test", "example.com", {"counted": ("recovering", handler.parse_pool)})
     notifier = Notifier()
     trees = Trees()
     notifier.subscribe(trees)
-    loop = EventLoop({"recovering": handler}, config, notifier, lambda: config, holdings_for(None))
+    return EventLoop({"recovering": handler}, config, notifier, lambda: config, holdings_for(None)), trees
+
+
+async def test_the_loop_publishes_the_unhealthy_tree_before_folding_the_recovery():
+    handler = RecoveringHandler()
+    loop, trees = recording_loop(handler)
     send, receive = trio.open_memory_channel[Event](16)
     send.send_nowait(Resync(None, "start"))
     for action in ("lose", "restore"):  # as the kernel sends them: BEGIN on every function, then SUCCESSFUL
@@ -261,12 +266,7 @@ async def test_a_health_loss_is_published_before_a_fold_that_may_block():
     """A fatal error's BEGIN_RECOVERY (folded from the event alone), then a uevent whose fold reads
     the device under reset: the Unhealthy tree goes out while that read still waits."""
     handler = BlockedReadHandler()
-    config = parse_config('{"resourceList": [{"resourceName": "things", "deviceType": "counted", "selectors": {}}]}',
-                          "test", "example.com", {"counted": ("recovering", handler.parse_pool)})
-    notifier = Notifier()
-    trees = Trees()
-    notifier.subscribe(trees)
-    loop = EventLoop({"recovering": handler}, config, notifier, lambda: config, holdings_for(None))
+    loop, trees = recording_loop(handler)
     send, receive = trio.open_memory_channel[Event](16)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(loop.run, receive)

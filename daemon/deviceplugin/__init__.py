@@ -7,19 +7,14 @@ devices; each endpoint's ``DevicePluginServicer`` answers ListAndWatch, Allocate
 GetPreferredAllocation and PreStartContainer from the current tree.
 """
 
-from ._endpoint import ResourceEndpoint, directory_problem, socket_file_name
+from ._endpoint import directory_problem, socket_file_name
 from ._endpoints import Endpoints
-from ._registration import API_VERSION
-from ._servicer import DevicePluginServicer, ListingMessages, device_message, request_problem
+from ._servicer import ListingMessages, device_message
 
 __all__ = [
-    "API_VERSION",
-    "DevicePluginServicer",
     "Endpoints",
     "ListingMessages",
-    "ResourceEndpoint",
     "device_message",
     "directory_problem",
-    "request_problem",
     "socket_file_name",
 ]

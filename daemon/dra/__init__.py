@@ -8,7 +8,7 @@ behind them) is imported on first use: a host without DRA pools never loads it (
 from typing import Any
 
 from ._claims import ClaimBook
-from ._deviceclasses import DeviceClassError, device_class_name, device_classes, rbac_objects, selector_expression
+from ._deviceclasses import DeviceClassError, device_class_name, device_classes, rbac_objects
 from ._driver import DraDriver
 from ._names import device_name, pool_name
 from ._slices import qualified_name_problem, slice_bodies, slice_devices, string_problem
@@ -31,14 +31,12 @@ __all__ = [
     "DraDriver",
     "DraSockets",
     "HealthServicer",
-    "V1beta1Adapter",
     "device_class_name",
     "device_classes",
     "device_name",
     "pool_name",
     "qualified_name_problem",
     "rbac_objects",
-    "selector_expression",
     "slice_bodies",
     "slice_devices",
     "string_problem",

@@ -10,58 +10,41 @@ whichever road asks (the kubelet's device-plugin API, a DRA claim, a host lease)
   cannot be read.
 """
 
-from ._assemble import Assembly, Builds
+from ._assemble import Assembly
 from ._book import DurableBook
-from ._holder import CLAIM, CLEAR_COMMAND, KUBELET, LEASE, LOST_CLAIMS, LOST_LEASES, Holder, LostBook
-from ._holdings import NO_BOOK, DeviceKey, HeldSnapshot, HoldingBook, Holdings
+from ._holder import CLAIM, KUBELET, LEASE, Holder, LostBook
+from ._holdings import NO_BOOK, HoldingBook, Holdings
 from ._rule import (
-    CLAIMED,
     KUBELET_ASKS,
     KUBELET_HELD,
     LEASE_ASKS,
-    LEASED,
     LOST_BOOK,
     SLICE_ASKS,
     UNHEALTHY,
     UNKNOWN,
     VANISHED,
-    WITHHELD,
-    WRONG_ROAD,
-    Asker,
     HolderLookup,
     Refusal,
     claim_asks,
-    holder_of,
     refusal,
     road_refusal,
 )
 
 __all__ = [
     "CLAIM",
-    "CLAIMED",
-    "CLEAR_COMMAND",
     "KUBELET",
     "KUBELET_ASKS",
     "KUBELET_HELD",
     "LEASE",
-    "LEASED",
     "LEASE_ASKS",
     "LOST_BOOK",
-    "LOST_CLAIMS",
-    "LOST_LEASES",
     "NO_BOOK",
     "SLICE_ASKS",
     "UNHEALTHY",
     "UNKNOWN",
     "VANISHED",
-    "WITHHELD",
-    "WRONG_ROAD",
-    "Asker",
     "Assembly",
-    "Builds",
-    "DeviceKey",
     "DurableBook",
-    "HeldSnapshot",
     "Holder",
     "HolderLookup",
     "HoldingBook",
@@ -69,7 +52,6 @@ __all__ = [
     "LostBook",
     "Refusal",
     "claim_asks",
-    "holder_of",
     "refusal",
     "road_refusal",
 ]

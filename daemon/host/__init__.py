@@ -7,7 +7,7 @@ file; ``serve_control_socket`` serves it all on the control socket.
 """
 
 from ._grant import Granter
-from ._leases import Lease, LeaseBook
+from ._leases import LeaseBook
 from ._servicer import HostServicer, serve_control_socket
 
-__all__ = ["Granter", "HostServicer", "Lease", "LeaseBook", "serve_control_socket"]
+__all__ = ["Granter", "HostServicer", "LeaseBook", "serve_control_socket"]

@@ -26,9 +26,8 @@ from ._instruments import (
 )
 from ._liveness import Liveness
 from ._server import MetricsServer
-from ._tree import TreeCollector
 
 __all__ = [
     "CHANGED", "DRA_HEALTH", "FAILED", "HOST_WATCH", "IGNORED", "LISTANDWATCH", "UNCHANGED", "Liveness", "Metrics",
-    "MetricsServer", "TreeCollector", "metrics_outcome", "without_created_series",
+    "MetricsServer", "metrics_outcome", "without_created_series",
 ]
