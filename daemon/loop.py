@@ -154,13 +154,14 @@ class EventLoop:
 
     def _next_batch(self, waiting: deque[tuple[Event, float]]) -> tuple[list[Event], float]:
         """The events up to (not including) one that may restore a health an earlier one took
-        away; and when the first of them reached the loop."""
+        away, or a rescan after one (a scan reads what a fatal reset may hold locked for
+        seconds); and when the first of them reached the loop."""
         batch: list[Event] = []
         arrival = waiting[0][1]
         lost_health = False
         while waiting:
             step = self._health_step(waiting[0][0])
-            if step == HEALTH_RESTORED and lost_health:
+            if lost_health and (step == HEALTH_RESTORED or isinstance(waiting[0][0], Resync)):
                 break
             lost_health |= step == HEALTH_LOST
             event, arrived = waiting.popleft()
@@ -201,20 +202,19 @@ class EventLoop:
         lost_health = False
         unrouted: list[Event] = []
         for index, event in enumerate(batch):
-            if isinstance(event, UEvent):
-                wanting = [name for name, handler in self._handlers.items() if name in active
-                           and (not handler.subsystems or event.subsystem in handler.subsystems)]
+            if isinstance(event, (UEvent, DeviceChanged)):
+                wanting = self._wanting(event, active)
                 blocking = {name for name in wanting if self._fold_may_block(name, event)}
                 if blocking and lost_health and changed:  # publish the loss first: this fold may wait on the kernel
                     unrouted = batch[index:]
                     del batch[index:]
                     break
                 outcomes = [await self._fold(name, event, in_thread=name in blocking) for name in wanting]
-                changed |= self._count_kernel_event("uevent", outcomes)
-                lost_health |= self._health_step(event) == HEALTH_LOST
-            elif isinstance(event, DeviceChanged):
-                if event.handler in active:
-                    changed |= await self._fold(event.handler, event, in_thread=False) == CHANGED
+                if isinstance(event, UEvent):
+                    changed |= self._count_kernel_event("uevent", outcomes)
+                    lost_health |= self._health_step(event) == HEALTH_LOST
+                else:
+                    changed |= CHANGED in outcomes
             elif isinstance(event, (LinkChanged, LinkSnapshot)):
                 outcomes = [await self._fold(name, event, in_thread=False) for name, handler in self._handlers.items()
                             if name in active and getattr(handler, "wants_links", False)]
@@ -230,6 +230,14 @@ class EventLoop:
         if reloaded:
             await self._follow_active(active)
         return changed or reloaded, bool(rescans) or reloaded, unrouted
+
+    def _wanting(self, event: UEvent | DeviceChanged, active: set[str]) -> list[str]:
+        """The handlers that fold ``event``: those whose subsystems include a uevent's (an empty
+        set: every subsystem); the one that sent a DeviceChanged."""
+        if isinstance(event, DeviceChanged):
+            return [event.handler] if event.handler in active else []
+        return [name for name, handler in self._handlers.items() if name in active
+                and (not handler.subsystems or event.subsystem in handler.subsystems)]
 
     def _active(self) -> set[str]:
         """The handlers the config gives pools: only they scan and fold (the others' facts would

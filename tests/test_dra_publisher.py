@@ -133,6 +133,12 @@ class Running:
     pools: DraPools
     metrics: Metrics
     changes: list[str] = field(default_factory=list)
+    told: list[frozenset[str]] = field(default_factory=list)  # the pools with slices, as told each time
+
+    def withheld(self) -> frozenset[str]:
+        """The pools with slices on the server, as last told (those served through the
+        device-plugin API are withheld from it meanwhile)."""
+        return self.told[-1] if self.told else frozenset()
 
     def syncs(self) -> float:
         """Sync rounds of the publisher that left nothing to do, as its metric counts them."""
@@ -154,14 +160,21 @@ async def publishing(kubeconfig: Path, *, node: str = NODE,
     settings = Settings(kubeconfig=kubeconfig, node_name=node, dra_driver=DRIVER)
     link = ApiLink(settings, connect)
     changes: list[str] = []
+    told: list[frozenset[str]] = []
     metrics = Metrics()
     pools: list[DraPools] = []
+
+    def withheld(resources: frozenset[str], why: str) -> None:
+        if why:
+            changes.append(why)
+        told.append(resources)
+
     publisher = SlicePublisher(settings, link, metrics, on_server=lambda on_server: pools[0].on_server(on_server))
-    pools.append(DraPools(DRIVER, node, {}, publisher, lambda withheld, why: changes.append(why)))
+    pools.append(DraPools(DRIVER, node, {}, publisher, withheld))
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publisher.run)
-            yield Running(pools[0], metrics, changes)
+            yield Running(pools[0], metrics, changes, told)
             nursery.cancel_scope.cancel()
     finally:
         link.close()
@@ -567,12 +580,12 @@ async def test_a_pool_moved_back_to_the_device_plugin_api_is_withheld_until_its_
         running.pools.offer(tree(pool("things", ids(300), api="devicePlugin", road=WITHHELD_ROAD),
                                      pool("other", ids(1))))
         await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
-        assert resource in running.pools.withheld()
+        assert resource in running.withheld()
         await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
         with trio.fail_after(5):
             while running.changes != ["slices withdrawn"]:
                 await trio.sleep(0.02)
-        assert resource not in running.pools.withheld()
+        assert resource not in running.withheld()
         assert slices_of(api, "other")
     assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer served through DRA)")
     assert not logged(caplog, "deleted by someone else")
@@ -592,13 +605,13 @@ async def test_after_a_restart_a_device_plugin_pool_with_slices_left_is_withheld
         running.pools.offer(tree(pool("things", ids(300), api="devicePlugin", road=DEVICE_PLUGIN_ROAD),
                                      pool("other", ids(1))))
         await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
-        assert resource in running.pools.withheld()
+        assert resource in running.withheld()
         assert running.changes == ["slices to withdraw"]
         await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
         with trio.fail_after(5):
             while running.changes != ["slices to withdraw", "slices withdrawn"]:
                 await trio.sleep(0.02)
-        assert resource not in running.pools.withheld()
+        assert resource not in running.withheld()
 
 
 async def test_a_pool_removed_from_the_config_has_its_slices_deleted(

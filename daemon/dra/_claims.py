@@ -298,6 +298,14 @@ class ClaimBook:
         moved aside, loudly, and the book is ``lost``."""
         self._book.load()
 
+    def reserve(self, claim: PreparedClaim) -> None:
+        """Hold ``claim``'s devices from now on, while it is prepared (call it in the same step
+        that chose them: no other claim nor a host lease can get them meanwhile)."""
+        self._book.reserve(claim)
+
+    def unreserve(self, uid: str) -> None:
+        self._book.unreserve(uid)
+
     async def add(self, claim: PreparedClaim) -> None:
         """Write ``claim`` to the file; it holds its devices from now on, or (when the write
         fails, OSError) nothing."""

@@ -89,7 +89,9 @@ class DraDriver:
         self.pools.on_server(pools)
 
     def _withheld(self, resources: frozenset[str], reason: str) -> None:
-        if self._holdings.set_withheld(resources):
+        """The pools with slices on the server (the device-plugin ones among them are withheld);
+        a new tree is due when the withheld ones changed."""
+        if self._holdings.set_withheld(resources) and reason:
             self._changed(reason)
 
     def socket_removed(self, path: str) -> None:

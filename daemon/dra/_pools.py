@@ -6,7 +6,8 @@ publisher should have (``slice_devices`` of each pool on the DRA road, worked ou
 a pool that changed, and then only for its devices whose record changed). The publisher tells it
 which pools have slices on the server after each round; a pool whose config says
 ``devicePlugin`` and that still has slices is *withheld* (served neither way) until they are
-deleted, and ``on_withheld`` tells the daemon when that set changes.
+deleted, and ``on_withheld`` tells the daemon which pools have slices whenever that changes (with the
+reason when the withheld ones changed).
 """
 
 from __future__ import annotations
@@ -41,12 +42,7 @@ class DraPools:
         self._pools: dict[str, tuple[ResourcePool, WantedPool, dict[str, Any]]] = {}
         self._seen_problems: set[str] = set()  # what slice_devices logged already: once in all
         self._on_server: frozenset[str] = frozenset()  # pool names with slices on the server
-        self._withheld: frozenset[str] = frozenset()
-
-    def withheld(self) -> frozenset[str]:
-        """Resources that have slices on the API server (as far as we know): a pool whose config
-        says ``devicePlugin`` is served neither way while it is one of them."""
-        return self._withheld
+        self._told: frozenset[str] = frozenset()  # the pools with slices, as last told
 
     def offer(self, tree: DeviceTree) -> None:
         self._tree = tree
@@ -82,14 +78,21 @@ class DraPools:
         self._update_withheld()
 
     def _update_withheld(self) -> None:
+        """Tell which of the tree's pools have slices on the server whenever that changes (the
+        assembly withholds those the config serves through the device-plugin API; a pool that
+        left the config, or moved, is told too), with a reason when the withheld ones changed."""
         tree = self._tree
         published = frozenset(r for r in tree.pools if pool_name(self._node, r) in self._on_server)
+        if published == self._told:
+            return
         device_plugin = frozenset(r for r, pool in tree.pools.items()
                                   if pool.pool_config.entry.allocation_api != DRA_API)
-        before, self._withheld = self._withheld & device_plugin, published
-        now = published & device_plugin
+        before, now = self._told & device_plugin, published & device_plugin
+        self._told = published
+        reason = ""
         if now != before:
             if released := before - now:
                 log.info("DRA: the slices of %s are deleted; the kubelet gets it now", ", ".join(sorted(released)),
                          extra={"EVENT": "dra"})
-            self._on_withheld(now, "slices withdrawn" if released else "slices to withdraw")
+            reason = "slices withdrawn" if released else "slices to withdraw"
+        self._on_withheld(published, reason)

@@ -177,10 +177,14 @@ class ClaimPreparer:
         chosen = self._choose(self._tree(), ref, results, before_loss)
         if not chosen:
             return PrepareResult()
+        # held from the choice on, with no await between: a host lease granted while the
+        # allocation runs in its thread must not get these devices
+        self._claims.reserve(PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen)))
         try:
             allocations = await self._allocate(ref, chosen)
             claim = await self._record(ref, chosen, allocations)
         except Exception:
+            self._claims.unreserve(ref.uid)
             await self._undo(ref.uid, chosen)
             raise
         if self._unaccounted:

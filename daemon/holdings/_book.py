@@ -160,6 +160,11 @@ class DurableBook(Generic[T]):
         self._pending[self._key(record)] = record
         self._changed()
 
+    def unreserve(self, key: str) -> None:
+        """What was reserved and will not be added (its preparation failed) holds nothing."""
+        if self._pending.pop(key, None) is not None:
+            self._changed()
+
     async def add(self, record: T) -> None:
         """Write ``record`` (reserved or not) to the file; on failure (OSError) it holds nothing."""
         key = self._key(record)

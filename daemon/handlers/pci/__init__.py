@@ -123,8 +123,11 @@ class PciHandler:
 
     # The event loop's hints (see daemon.core.Handler): PCIe error recovery.
     def fold_may_block(self, facts: PciFacts, event: Event) -> bool:
-        """A uevent of a function in error recovery: its sysfs reads may wait for the kernel's
-        device locks (seconds during a fatal reset), so the loop folds it in a worker thread."""
+        """A uevent (or a change found at Allocate) of a function in error recovery: its sysfs
+        reads may wait for the kernel's device locks (seconds during a fatal reset), so the loop
+        folds it in a worker thread."""
+        if isinstance(event, DeviceChanged):
+            event = UEvent("change", event.devpath, event.subsystem)
         return isinstance(event, UEvent) and recovery_concerns(facts, event)
 
     def health_step(self, event: Event) -> str | None:
