@@ -220,6 +220,24 @@ def test_a_lost_lease_book_holds_every_device_until_an_operator_clears_it(sriov,
     assert "not lost" in cli(short_tmp, "clear-lost", "leases").stdout
 
 
+def test_a_refusal_names_the_lost_book_before_an_unreadable_checkpoint(sriov, short_tmp, run_daemon):
+    """Both unknowns at once (a lost lease book, a kubelet checkpoint that cannot be read): the
+    refusal names the one the operator can act on, with its command."""
+    (short_tmp / "state").mkdir()
+    (short_tmp / "state" / "leases.json").write_bytes(b'{"leases": [{"lease": ')
+    (short_tmp / "device-plugins").mkdir()
+    (short_tmp / "device-plugins" / "kubelet_internal_checkpoint").write_text("{torn")
+    daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    refused = cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[0])
+    assert refused.returncode == 1 and "is held by the lost lease book" in refused.stderr
+    assert "devplugd clear-lost leases" in refused.stderr
+    cli(short_tmp, "clear-lost", "leases")
+    refused = cli(short_tmp, "allocate", "intel.com/dpdk", "--device", VFS[0])  # the checkpoint still holds it
+    assert refused.returncode == 1 and "checkpoint" in refused.stderr, refused.stderr
+    assert daemon.process.poll() is None
+
+
 def test_a_lease_whose_device_vanishes_is_kept_and_marked(sriov, short_tmp, run_daemon, seam):
     run_with_seam(run_daemon, seam, CONFIG, registration="none")
     wait_for_control(short_tmp)

@@ -87,26 +87,23 @@ class Holdings:
 
     def holder(self, pool: ResourcePool, device_id: str) -> Holder | None:
         """The device's holder now: a host lease, a claim, a pod (the checkpoint as last read),
-        a lost book; ``None``: free."""
+        a lost book, the kubelet when its checkpoint cannot be read; ``None``: free. The named
+        holders come before the unknown ones, so a refusal says the most the daemon knows."""
         key = (pool.resource, device_id)
         if (lease := self._leases.holders().get(key)) is not None:
             return lease
         if (claim := self._claims.holders().get(key)) is not None:
             return claim
-        if (pod := self._kubelet_holder(self.checkpoint.reading, key)) is not None:
-            return pod
+        reading = self.checkpoint.reading
+        if (pod := reading.holdings.get(key)) is not None:
+            return Holder(KUBELET, f"pod {pod[0]}/{pod[1]}")
         if (lost := self._leases.lost_book) is not None:
             return lost.holder()
         if (lost := self._claims.lost_book) is not None and pool.road in (DRA_ROAD, WITHHELD_ROAD):
             return lost.holder()
-        return None
-
-    @staticmethod
-    def _kubelet_holder(reading: Reading, key: DeviceKey) -> Holder | None:
-        if reading.error is not None:
+        if reading.error is not None:  # who holds it through the kubelet is unknown: held
             return Holder(KUBELET, "", reading.error)
-        held = reading.holdings.get(key)
-        return Holder(KUBELET, f"pod {held[0]}/{held[1]}") if held is not None else None
+        return None
 
     def snapshot(self, checkpoint: Reading | None = None) -> HeldSnapshot:
         """What a tree is assembled from; ``checkpoint`` is the reading to use (``None``: not
