@@ -16,7 +16,6 @@ own (``Reading.error``), told apart from an empty one: who holds what is then un
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import trio
 
+from daemon.core._jsonpath import parse_json
+
 log = logging.getLogger("devplugd.checkpoint")
 
 CHECKPOINT_NAME = "kubelet_internal_checkpoint"
@@ -33,7 +34,7 @@ CHECKPOINT_NAME = "kubelet_internal_checkpoint"
 # (resource, device ID) -> ``pod <uid>/<container>``
 Allocations = dict[tuple[str, str], str]
 # (resource, device ID) -> (pod UID, container name)
-Holdings = dict[tuple[str, str], tuple[str, str]]
+PodDevices = dict[tuple[str, str], tuple[str, str]]
 # what tells one version of the file from another: (inode, size, mtime in ns); None: no file
 _Identity = tuple[int, int, int] | None
 
@@ -42,17 +43,17 @@ class CheckpointError(Exception):
     """The checkpoint exists but cannot be read or parsed."""
 
 
-def read_holdings(device_plugin_dir: Path) -> Holdings:
+def read_holdings(device_plugin_dir: Path) -> PodDevices:
     """(resource, device ID) -> (pod UID, container) from the kubelet's checkpoint; ``{}`` when
     there is no checkpoint. Raises CheckpointError (not logged) when it cannot be read or parsed."""
     try:
-        document = json.loads((device_plugin_dir / CHECKPOINT_NAME).read_bytes())
+        document = parse_json((device_plugin_dir / CHECKPOINT_NAME).read_bytes())
         entries = document["Data"]["PodDeviceEntries"] or []
     except FileNotFoundError:
         return {}
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"cannot read the kubelet checkpoint in {device_plugin_dir}: {error}") from error
-    held: Holdings = {}
+    held: PodDevices = {}
     try:
         for entry in entries:
             try:
@@ -68,20 +69,11 @@ def read_holdings(device_plugin_dir: Path) -> Holdings:
     return held
 
 
-def read_allocations(device_plugin_dir: Path) -> Allocations | None:
-    """(resource, device ID) -> ``pod <uid>/<container>`` from the kubelet's checkpoint; ``{}``
-    when there is no checkpoint, ``None`` (logged) when it cannot be read or parsed."""
-    reading = _read(device_plugin_dir, None)
-    if reading.error is not None:
-        log.warning("%s", reading.error)
-    return reading.allocations
-
-
 @dataclass(frozen=True)
 class Reading:
     """One reading of the checkpoint: who holds what, or why that is unknown (``error``)."""
 
-    holdings: Holdings = field(default_factory=dict)
+    holdings: PodDevices = field(default_factory=dict)
     error: str | None = None
     exists: bool = False
     identity: _Identity = None

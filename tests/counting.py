@@ -12,7 +12,7 @@ import trio
 
 from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
 from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
-from daemon.holdings import CLAIM, NO_BOOK, Holder, HoldingBook, Holdings, LostBook
+from daemon.holdings import CLAIM, Holder, HoldingBook, Holdings, LostBook
 from daemon.metrics import Metrics
 
 
@@ -83,10 +83,13 @@ class ClaimsByDevice:
         return None
 
 
-def holdings_for(device_plugin_dir: Path | None, leases: HoldingBook = NO_BOOK,
-                 claims: HoldingBook = NO_BOOK) -> Holdings:
-    """The daemon's holdings over these books and the kubelet's checkpoint in ``device_plugin_dir``."""
-    return Holdings(leases, claims, CheckpointReader(device_plugin_dir))
+def holdings_for(device_plugin_dir: Path | None, leases: HoldingBook | None = None,
+                 claims: HoldingBook | None = None) -> Holdings:
+    """The daemon's holdings over these books (none given: one that holds nothing) and the
+    kubelet's checkpoint in ``device_plugin_dir``."""
+    nothing = ClaimsByDevice()
+    return Holdings(leases if leases is not None else nothing, claims if claims is not None else nothing,
+                    CheckpointReader(device_plugin_dir))
 
 
 def batches(metrics: Metrics) -> int:

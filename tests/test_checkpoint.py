@@ -11,10 +11,15 @@ import pytest
 import trio
 
 import daemon.checkpoint
-from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader, read_allocations
+from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
 from daemon.core import Event
 from daemon.core._events import CheckpointChanged
 from daemon.sources.inotify import InotifySource
+
+
+def allocations(directory):
+    """What the daemon reads from the checkpoint in ``directory``: ``None`` when it cannot."""
+    return CheckpointReader(directory).read_if_changed().allocations
 
 
 def write(directory, document) -> None:
@@ -28,22 +33,22 @@ def test_entries_of_both_formats_name_their_pod_and_container(tmp_path):
         {"PodUID": "u2", "ContainerName": "old", "ResourceName": "intel.com/dpdk", "DeviceIDs": ["c"]},
         {"PodUID": "u3"},  # an entry missing its fields is skipped, not fatal
     ]}, "Checksum": 1})
-    assert read_allocations(tmp_path) == {("intel.com/dpdk", "a"): "pod u1/app", ("intel.com/dpdk", "b"): "pod u1/app",
-                                          ("intel.com/dpdk", "c"): "pod u2/old"}
+    assert allocations(tmp_path) == {("intel.com/dpdk", "a"): "pod u1/app", ("intel.com/dpdk", "b"): "pod u1/app",
+                                     ("intel.com/dpdk", "c"): "pod u2/old"}
 
 
 def test_no_checkpoint_means_nothing_allocated(tmp_path):
-    assert read_allocations(tmp_path) == {} and CheckpointReader(tmp_path).read_if_changed().allocations == {}
+    assert allocations(tmp_path) == {}
 
 
-@pytest.mark.parametrize("document", ["{torn", "[]", {"Data": {}}, {"Data": {"PodDeviceEntries": 7}}])
+@pytest.mark.parametrize("document", ["{torn", "[]", {"Data": {}}, {"Data": {"PodDeviceEntries": 7}}, "[" * 200_000],
+                         ids=["torn", "a-list", "no-entries", "entries-not-a-list", "nested-too-deeply"])
 def test_a_checkpoint_that_cannot_be_read_is_logged_and_told_apart_from_an_empty_one(tmp_path, caplog, document):
     write(tmp_path, document)
     with caplog.at_level(logging.WARNING):
-        assert read_allocations(tmp_path) is None
-    assert "cannot read the kubelet checkpoint" in caplog.text
-    reading = CheckpointReader(tmp_path).read_if_changed()  # the daemon's reading: who holds what is unknown
-    assert reading.allocations is None and reading.error is not None and "cannot read the kubelet checkpoint" in reading.error
+        reading = CheckpointReader(tmp_path).read_if_changed()  # who holds what is unknown
+    assert reading.allocations is None and reading.error is not None
+    assert "cannot read the kubelet checkpoint" in reading.error and reading.error in caplog.text
 
 
 async def test_the_reader_parses_the_file_off_the_event_loop_and_only_after_it_changed(tmp_path, monkeypatch):

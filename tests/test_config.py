@@ -215,6 +215,11 @@ def test_bad_file_names_json_path_and_reason(document: Any, json_path: str, reas
     assert reason in str(error)
 
 
+def test_a_document_nested_too_deeply_to_parse_is_a_config_error() -> None:
+    error = parse_error("[" * 200_000)  # CPython's parser raises RecursionError, not a ValueError
+    assert str(error) == "config pools.json: $: not valid JSON: nested too deeply to parse"
+
+
 def test_unknown_device_type_lists_the_known_types() -> None:
     error = parse_error(pools(pool(), pool("b", deviceType="gpu")))
     assert error.json_path == "$.resourceList[1].deviceType"

@@ -185,8 +185,8 @@ def test_a_corrupt_lease_file_is_moved_aside_and_the_daemon_starts(sriov, short_
     daemon.wait_for_log("is corrupt")
 
 
-@pytest.mark.parametrize("content", [b'{"leases": [{"lease": ', b"\xff\xfe\x00 not text", b'{"version": 1}'],
-                         ids=["torn", "not-utf8", "no-list"])
+@pytest.mark.parametrize("content", [b'{"leases": [{"lease": ', b"\xff\xfe\x00 not text", b'{"version": 1}',
+                                     b"[" * 200_000], ids=["torn", "not-utf8", "no-list", "nested-too-deeply"])
 def test_a_lost_lease_book_holds_every_device_until_an_operator_clears_it(sriov, short_tmp, kubelet, run_daemon,
                                                                           content):
     """Nobody can tell which devices the unreadable book held: none is offered anew on any road

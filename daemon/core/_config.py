@@ -8,7 +8,6 @@ keys. This module parses the fields every pool has; the handler that serves a po
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
-from ._jsonpath import ConfigError, ConfigObject, describe, expect_type
+from ._jsonpath import ConfigError, ConfigObject, describe, expect_type, parse_json
 from ._names import dra_pool_part, extended_resource_name_problem, resource_name_problem
 
 log = logging.getLogger("devplugd.config")
@@ -107,8 +106,8 @@ def load_config(path: Path, default_prefix: str, parsers: ParserTable) -> Daemon
 def parse_config(text: str, source: str, default_prefix: str, parsers: ParserTable) -> DaemonConfig:
     """Validate a config document; raise ConfigFileError naming the first problem."""
     try:
-        document = json.loads(text)
-    except json.JSONDecodeError as error:
+        document = parse_json(text)
+    except ValueError as error:
         raise ConfigFileError(source, f"$: not valid JSON: {error}") from error
     warnings: list[str] = []
     try:

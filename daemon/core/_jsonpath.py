@@ -8,6 +8,7 @@ ignored. Every accessor checks the type and raises ``ConfigError`` naming e.g.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar, cast
 
@@ -29,6 +30,16 @@ class ConfigError(ValueError):
         super().__init__(f"{json_path}: {reason}")
         self.json_path = json_path
         self.reason = reason
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` for text someone else wrote, where every way it can be bad is a ValueError:
+    not JSON, not UTF-8 (UnicodeDecodeError), or nested deeper than the parser recurses (CPython
+    raises RecursionError, which would otherwise escape every ``except ValueError``)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
 
 
 def describe(value: Any) -> str:

@@ -259,11 +259,6 @@ class ClaimBook:
         return self._book.path
 
     @property
-    def version(self) -> int:
-        """Counts the changes written since the book was made (one per ``add`` and ``remove``)."""
-        return self._book.version
-
-    @property
     def lost(self) -> str | None:
         """Why the claims prepared before this start are unknown (the checkpoint could not be
         read), or ``None``."""

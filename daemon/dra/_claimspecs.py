@@ -22,6 +22,7 @@ from typing import Any
 
 from daemon.cdi import CLAIM_FILE_PREFIX, cdi_env_name, cdi_kind, cdi_version, claim_spec_file_name, container_edits
 from daemon.core import ContainerAllocation, DeviceSpec, ResourcePool
+from daemon.core._jsonpath import parse_json
 from daemon.files import write_atomically
 
 from ._claims import PreparedDevice
@@ -94,7 +95,7 @@ class ClaimSpecs:
         stale = []
         for uid in sorted(self.uids() - known):
             try:
-                kind = json.loads(self.path(uid).read_bytes()).get("kind")
+                kind = parse_json(self.path(uid).read_bytes()).get("kind")
             except (OSError, ValueError, AttributeError):
                 continue
             if kind == self.kind:

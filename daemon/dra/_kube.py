@@ -23,6 +23,7 @@ from typing import Any
 
 import trio
 
+from daemon.core._jsonpath import parse_json
 from daemon.settings import Settings
 
 log = logging.getLogger("devplugd.dra")
@@ -77,7 +78,7 @@ def _error(what: str, status: int | None, body: str | bytes | None) -> KubeError
     message = ""
     causes: tuple[str, ...] = ()
     try:
-        document = json.loads(body) if body else {}
+        document = parse_json(body) if body else {}
         message = document.get("message", "")
         causes = tuple(
             f"{cause.get('field', '')}: {cause.get('message', '')}".strip(": ")
@@ -140,7 +141,7 @@ class Kube:
             raise _error(what, error.status, error.body) from error
         except Exception as error:  # urllib3: refused, reset, timed out, TLS
             raise self._unreachable(what, error) from error
-        return json.loads(data) if data else {}
+        return parse_json(data) if data else {}
 
     def _unreachable(self, what: str, error: Exception) -> KubeError:
         detail = _OBJECT_ADDRESS.sub("", str(error))
@@ -182,7 +183,7 @@ class Kube:
         try:
             for line in iter_resp_lines(response):
                 try:
-                    event = json.loads(line)
+                    event = parse_json(line)
                     kind, obj = event["type"], event["object"]
                 except (ValueError, KeyError, TypeError):
                     log.warning("%s: not a watch event, skipped: %.200s", what, line)

@@ -13,7 +13,7 @@ whichever road asks (the kubelet's device-plugin API, a DRA claim, a host lease)
 from ._assemble import Assembly
 from ._book import DurableBook
 from ._holder import CLAIM, KUBELET, LEASE, Holder, LostBook
-from ._holdings import NO_BOOK, HoldingBook, Holdings
+from ._holdings import HoldingBook, Holdings
 from ._rule import (
     KUBELET_ASKS,
     KUBELET_HELD,
@@ -38,7 +38,6 @@ __all__ = [
     "LEASE",
     "LEASE_ASKS",
     "LOST_BOOK",
-    "NO_BOOK",
     "SLICE_ASKS",
     "UNHEALTHY",
     "UNKNOWN",

@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
+from daemon.core._jsonpath import parse_json
 from daemon.files import write_atomically
 
 from ._holder import LostBook
@@ -61,18 +62,12 @@ class DurableBook(Generic[T]):
         self._on_disk: dict[str, T] = {}
         self._pending: dict[str, T] = {}  # reserved or being written, not on disk yet
         self._write_lock = trio.Lock()
-        self._version = 0
         self._changes = 0  # any change to what the book holds: reservations, writes, the lost state
         self._lost: LostBook | None = None
 
     @property
     def path(self) -> Path:
         return self._path
-
-    @property
-    def version(self) -> int:
-        """Counts the changes written since the book was made."""
-        return self._version
 
     @property
     def changes(self) -> int:
@@ -117,7 +112,7 @@ class DurableBook(Generic[T]):
         log.info("loaded %d %ss from %s", len(records), self._book, self._path)
 
     def _parse(self, data: bytes) -> dict[str, T]:
-        document = json.loads(data.decode("utf-8"))  # UnicodeDecodeError is a ValueError
+        document = parse_json(data.decode("utf-8"))  # UnicodeDecodeError is a ValueError
         if not isinstance(document, dict) or not isinstance(document.get(self._list_key), list):
             raise ValueError(f"no {self._list_key!r} list")
         if document.get("version") != FORMAT_VERSION:
@@ -198,7 +193,6 @@ class DurableBook(Generic[T]):
             raise OSError(f"not overwriting {self._path}: {self._lost}")
         await trio.to_thread.run_sync(self._write, records)
         self._on_disk = records
-        self._version += 1
 
     def _write(self, records: Mapping[str, T]) -> None:
         self._path.parent.mkdir(parents=True, exist_ok=True)

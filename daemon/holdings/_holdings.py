@@ -30,18 +30,6 @@ class HoldingBook(Protocol):
     def lost_book(self) -> LostBook | None: ...
 
 
-class _NoBook:
-    def holders(self) -> Mapping[DeviceKey, Holder]:
-        return {}
-
-    @property
-    def lost_book(self) -> LostBook | None:
-        return None
-
-
-NO_BOOK: HoldingBook = _NoBook()
-
-
 @dataclass(frozen=True)
 class HeldSnapshot:
     """Who held what when a tree was assembled. ``kubelet`` is ``None`` when the checkpoint

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from daemon.checkpoint import CheckpointReader, Holdings
+from daemon.checkpoint import CheckpointReader, PodDevices
 from daemon.core import DeviceInfo
 from daemon.core._tree import DeviceTree
 
@@ -96,7 +96,7 @@ class TreeCollector(Collector):
         yield from families.values()
         yield self._reads()
 
-    def _holdings(self) -> Holdings:
+    def _holdings(self) -> PodDevices:
         """The checkpoint's (resource, device) -> (pod UID, container); ``{}`` when it is missing
         or cannot be read, told in one log line until that changes."""
         if self._checkpoint is None or self._checkpoint.directory is None:
