@@ -4,16 +4,18 @@
 the config (exit 2 on a bad one), start the metrics server when ``--metrics-address`` asks (exit
 2 when it cannot bind), then inside trio (with the asyncio loop that hosts grpc.aio) subscribe
 the consumers of the tree to the notifier (the device-plugin endpoints, the CDI writer, the NFD
-node labels, the metrics, the STATUS line; host Watch streams subscribe themselves), serve the
+node labels, the metrics, the STATUS line; the streams subscribe themselves, see below), serve the
 host API, start the event loop and the sources (inotify, uevents, rtnetlink), put the first
 ``Resync`` on the bus, and serve until SIGTERM/SIGINT (SIGHUP reloads the config); then every
 endpoint ends its streams, stops its server and removes its socket, and the handlers clean
 their side files.
 
 One uevent, from the kernel to the kubelet: ``sources/uevents.py`` puts it on the bus →
-``loop.py`` folds it into a handler's facts and builds the next tree → ``core/_notifier.py``
-offers the tree to every consumer → ``deviceplugin/_endpoints.py`` hands the changed resource to
-its endpoint → ``deviceplugin/_servicer.py`` sends the ListAndWatch message.
+``loop.py`` batches it and routes it to a handler, whose fold reads the device again and patches
+its pools → ``holdings/_assemble.py`` builds the next tree with who holds what →
+``core/_notifier.py`` offers the tree to every subscriber → ``deviceplugin/_servicer.py`` sends
+the ListAndWatch message. ListAndWatch streams, DRA health streams and host Watch streams
+subscribe themselves to the notifier while they are open.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 These coroutines run on the asyncio loop that trio-asyncio hosts inside trio, on the one thread,
 so they read the current DeviceTree with plain attribute access. Allocate answers come from the
-tree that is current when the call arrives; ListAndWatch streams get their updates through a
-one-slot mailbox each (the newest list wins, never a backlog), fed by the resource's endpoint.
+tree that is current when the call arrives; each ListAndWatch stream subscribes itself to the
+notifier (a ``TreeStream``: a one-slot mailbox scoped to this resource, where the newest list
+wins and a device gone Unhealthy is never conflated away) and unsubscribes when it ends.
 """
 
 from __future__ import annotations
