@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
@@ -42,8 +43,9 @@ class PoolEntry:
     # which road its devices take: the kubelet's device-plugin API, or DRA ResourceSlices
     allocation_api: str = DEVICE_PLUGIN_API
 
-    @property
+    @cached_property
     def resource(self) -> str:
+        """``<prefix>/<name>``: one string per pool, however many devices name it."""
         return f"{self.resource_prefix}/{self.resource_name}"
 
 

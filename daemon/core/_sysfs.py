@@ -8,6 +8,7 @@ path in the message, so the caller can skip that one device and say why.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Union
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -60,7 +61,7 @@ def read_hex_id(path: PathLike, digits: int) -> str | None:
     body = text[2:] if text[:2].lower() == "0x" else text
     if not body or len(body) > digits or any(c not in "0123456789abcdefABCDEF" for c in body):
         raise SysfsError(f"{path}: expected a hex ID, found {text[:40]!r}")
-    return body.lower().rjust(digits, "0")
+    return sys.intern(body.lower().rjust(digits, "0"))  # a few IDs, held by thousands of functions
 
 
 def link_name(path: PathLike) -> str | None:
@@ -69,7 +70,8 @@ def link_name(path: PathLike) -> str | None:
         target = os.readlink(path)
     except (FileNotFoundError, NotADirectoryError, OSError):
         return None
-    return os.path.basename(target.rstrip("/")) or None
+    # interned: a driver or a PF address is the same name for thousands of functions
+    return sys.intern(os.path.basename(target.rstrip("/"))) or None
 
 
 def list_dir(path: PathLike) -> list[str]:
