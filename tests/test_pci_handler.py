@@ -359,6 +359,30 @@ def test_second_allocate_rewrites_the_device_info_file(pci: Pci, host: FakeHost)
     assert stat.S_IMODE(path.stat().st_mode) == 0o444
 
 
+def test_an_allocate_finds_the_device_info_file_as_it_left_it_or_writes_it_again(pci: Pci, host: FakeHost) -> None:
+    """The file a second Allocate finds untouched is kept (same inode); one removed, chmod-ed or
+    replaced since is written again, read-only, with the device's content."""
+    add_nic(host)
+    pool = pci.pool(pool_entry())
+    path = pci.devinfo_dir / "intel.com-sriov_net_A-0000:3b:02.1-device.json"
+    content = '{"type":"pci","version":"1.1.0","pci":{"pci-address":"0000:3b:02.1"}}'
+    pci.allocate(pool, [VFS[1]])
+    first = path.stat().st_ino
+    pci.allocate(pool, [VFS[1]])
+    assert path.stat().st_ino == first and path.read_text() == content
+    path.unlink()
+    pci.allocate(pool, [VFS[1]])
+    assert path.read_text() == content
+    path.chmod(0o644)
+    pci.allocate(pool, [VFS[1]])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o444
+    replacement = path.with_name("replacement")
+    replacement.write_text(content.replace("3b:02.1", "3b:02.7"))  # the same size, another file
+    replacement.rename(path)
+    pci.allocate(pool, [VFS[1]])
+    assert path.read_text() == content and stat.S_IMODE(path.stat().st_mode) == 0o444
+
+
 def test_accelerator_pools_write_no_device_info_files(pci: Pci, host: FakeHost) -> None:
     accelerators = add_accelerator(host)
     allocation = pci.allocate(pci.pool(pool_entry("qat", deviceType="accelerator")), accelerators[1:])

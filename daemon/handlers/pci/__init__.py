@@ -42,15 +42,13 @@ from daemon.handlers._sriov_allocation import allocation_envs
 from ._allocation import (
     VFIO_DRIVER,
     PciDetails,
-    devinfo_file_name,
     first_per_host_path,
     kubevirt_env_name,
-    remove_devinfo_files,
     vfio_specs,
     with_vfio_binding,
-    write_devinfo_file,
 )
 from ._attributes import pci_attributes
+from ._devinfo import DevinfoFiles
 from ._discovery import pci_devpath, read_vfio_binding, scan_pci
 from ._facts import PciFacts
 from ._folding import ERROR_EVENTS, fold_links, fold_uevent, recovery_concerns
@@ -86,6 +84,7 @@ class PciHandler:
 
     def __init__(self, context: HandlerContext) -> None:
         self._context = context
+        self._devinfo = DevinfoFiles(context.devinfo_dir)
         self._sysfs_root = os.fspath(context.sysfs_root)
         self._dev_root = os.fspath(context.dev_root)
         self._proc_root = os.fspath(context.proc_root)
@@ -176,7 +175,7 @@ class PciHandler:
             allocation.envs[kubevirt_env_name(pool.resource)] = ",".join(addresses)
         if entry.device_type == NET_DEVICE:
             for record in functions.values():
-                write_devinfo_file(self._context.devinfo_dir, pool.resource, record)
+                self._devinfo.write(pool.resource, record)
         return allocation
 
     def _current_vfio(self, resource: str, details: PciDetails) -> PciDetails:
@@ -253,14 +252,13 @@ class PciHandler:
             return
         for device_id in device_ids:
             info = pool.devices.get(device_id)
-            addresses = [r.device.address for r in info.details.functions] if info is not None else [device_id]
-            for address in addresses:
-                (self._context.devinfo_dir / devinfo_file_name(pool.resource, address)).unlink(missing_ok=True)
+            self._devinfo.remove(pool.resource, [r.device.address for r in info.details.functions]
+                                 if info is not None else [device_id])
 
     def _remove_devinfo(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         for pool in pools:
             if pool.entry.device_type == NET_DEVICE:
-                remove_devinfo_files(self._context.devinfo_dir, pool.resource)
+                self._devinfo.remove_pool(pool.resource)
 
 
 def _is_bridge_address(sysfs_root: str, address: str) -> bool:

@@ -5,22 +5,19 @@
   ``/dev/vhost-vdpa-N``;
 * ``PCIDEVICE_<PREFIX>_<NAME>`` and its ``..._INFO`` (``daemon.handlers._sriov_allocation``,
   which the auxnet handler's SFs share, with the ``extra``, ``rdma`` and ``vhost`` providers);
-* the Multus device-info file (``<prefix>-<name>-<id>-device.json``, spec 1.1.0) for netDevice
-  pools, written at Allocate and removed when the pool stops: type ``vdpa`` for a device its
-  selector took by ``vdpaType``, ``pci`` otherwise.
+* ``PCI_RESOURCE_<RESOURCE>`` for KubeVirt.
+
+The Multus device-info files of netDevice pools are ``_devinfo.py``'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from daemon.core import DeviceSpec
-from daemon.handlers._functions import PCI_ADDRESS
 from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info, vhost_net_specs_and_info
 
 from ._discovery import VfioBinding
@@ -28,7 +25,6 @@ from ._facts import PciDevice, VdpaDevice
 
 log = logging.getLogger("devplugd.pci")
 
-DEVINFO_VERSION = "1.1.0"
 VFIO_DRIVER = "vfio-pci"
 UIO_DRIVERS = frozenset({"uio", "igb_uio"})
 VFIO_CONTAINER = "/dev/vfio/vfio"
@@ -150,64 +146,7 @@ def vdpa_node_path(vdpa: VdpaDevice) -> str | None:
     return f"/dev/{vdpa.vhost_node}" if vdpa.vdpa_type == "vhost" and vdpa.vhost_node else None
 
 
-# Immutable once made; json.dumps with options would make an encoder per call (every Allocate).
-_COMPACT_ENCODER = json.JSONEncoder(separators=(",", ":"))
-
-
 def kubevirt_env_name(resource: str) -> str:
     """``PCI_RESOURCE_<RESOURCE>``, the variable KubeVirt's host-device support reads for an
     external resource provider: the resource name upper-cased, ``/`` and ``.`` made ``_``."""
     return "PCI_RESOURCE_" + resource.upper().replace("/", "_").replace(".", "_")
-
-
-def devinfo_file_name(resource: str, device_id: str) -> str:
-    return f"{resource.replace('/', '-')}-{device_id.replace('/', '-')}-device.json"
-
-
-def devinfo_document(details: PciDetails) -> bytes:
-    if details.vdpa is not None:
-        vdpa = {"parent-device": details.vdpa.name, "driver": details.vdpa.vdpa_type or ""}
-        if path := vdpa_node_path(details.vdpa):
-            vdpa["path"] = path
-        vdpa["pci-address"] = details.device.address
-        return _COMPACT_ENCODER.encode({"type": "vdpa", "version": DEVINFO_VERSION, "vdpa": vdpa}).encode()
-    pci: dict[str, str] = {"pci-address": details.device.address}
-    if details.rdma_device:
-        pci["rdma-device"] = details.rdma_device
-    document = {"type": "pci", "version": DEVINFO_VERSION, "pci": pci}
-    return _COMPACT_ENCODER.encode(document).encode()
-
-
-def write_devinfo_file(directory: Path, resource: str, details: PciDetails) -> None:
-    """Replace the device-info file of one device (mode 0444, as the NAD client writes it)."""
-    path = os.path.join(directory, devinfo_file_name(resource, details.device.address))
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
-    except FileNotFoundError:  # the directory is not there (yet, or any more): make it, once
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o444)
-    try:
-        os.write(descriptor, devinfo_document(details))
-    finally:
-        os.close(descriptor)
-
-
-def remove_devinfo_files(directory: Path, resource: str) -> int:
-    """Remove every device-info file of ``resource`` (and no other pool's); return how many."""
-    prefix = resource.replace("/", "-") + "-"
-    removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        if not (name.startswith(prefix) and name.endswith("-device.json")):
-            continue
-        if PCI_ADDRESS.fullmatch(name[len(prefix):-len("-device.json")]):
-            (directory / name).unlink(missing_ok=True)
-            removed += 1
-    return removed
