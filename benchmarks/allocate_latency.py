@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         env = bytecode_env(base)
         kubelet = FakeKubelet(base / "device-plugins")
         kubelet.start()
-        # devinfo files are written at every Allocate: keep them on tmpfs, as /var/run is in production.
+        # a devinfo file is checked (and written when needed) at every Allocate: on tmpfs, as /var/run is in production.
         daemon = Daemon(base, host, netdevice_config([(RESOURCE_NAME, [pf_netdev(0)])]), env=env,
                         devinfo_dir=host_dir / "devinfo")
         bare: subprocess.Popen[str] | None = None
