@@ -21,10 +21,9 @@ may have been prepared before is unprepared (see ``ClaimPreparer``) or an operat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from daemon.holdings import CLAIM, DurableBook, Holder, LostBook
@@ -247,8 +246,7 @@ class ClaimBook:
         # keys as written, not sorted: a claim's CDI spec comes back byte for byte
         self._book: DurableBook[PreparedClaim] = DurableBook(
             state_dir / CLAIMS_FILE, "claim", "claims", key=lambda claim: claim.uid, to_json=PreparedClaim.to_json,
-            from_json=PreparedClaim.from_json)
-        self._holders: tuple[int, Mapping[tuple[str, str], Holder]] | None = None
+            from_json=PreparedClaim.from_json, held_by=_held_by)
 
     @property
     def book(self) -> DurableBook[PreparedClaim]:
@@ -278,15 +276,8 @@ class ClaimBook:
         return self._book.on_disk.get(uid)
 
     def holders(self) -> Mapping[tuple[str, str], Holder]:
-        """(resource, device ID) -> the claim it is prepared for, for exclusive allocations only:
-        an admin-access allocation does not take the device from anyone."""
-        changes = self._book.changes
-        if self._holders is None or self._holders[0] != changes:
-            self._holders = (changes, MappingProxyType({
-                (device.resource, device.device_id): Holder(CLAIM, f"{claim.namespace}/{claim.name}", claim.uid)
-                for claim in self._book.records.values() for device in claim.devices if not device.admin_access
-            }))
-        return self._holders[1]
+        """(resource, device ID) -> the claim it is prepared for (see ``_held_by``)."""
+        return self._book.holders()
 
     def load(self) -> None:
         """Read the checkpoint (a missing one: no claims); one that cannot be read or parsed is
@@ -309,3 +300,11 @@ class ClaimBook:
     async def remove(self, uid: str) -> PreparedClaim | None:
         """Take the claim out of the file (``None``: it was not in it)."""
         return await self._book.remove(uid)
+
+
+def _held_by(claim: PreparedClaim) -> Iterator[tuple[tuple[str, str], Holder]]:
+    """The devices a prepared claim holds: its exclusive allocations only (an admin-access one
+    takes the device from no one)."""
+    for device in claim.devices:
+        if not device.admin_access:
+            yield (device.resource, device.device_id), Holder(CLAIM, f"{claim.namespace}/{claim.name}", claim.uid)

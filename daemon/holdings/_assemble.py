@@ -31,7 +31,8 @@ from daemon.core import UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, Resour
 from daemon.core._config import DRA_API, DaemonConfig
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 
-from ._holdings import DeviceKey, HeldSnapshot
+from ._holder import DeviceKey
+from ._holdings import HeldSnapshot
 
 log = logging.getLogger("devplugd.holdings")
 

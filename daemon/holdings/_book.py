@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar
@@ -34,7 +34,7 @@ import trio
 from daemon.core._jsonpath import parse_json
 from daemon.files import write_atomically
 
-from ._holder import LostBook
+from ._holder import DeviceKey, Holder, LostBook
 
 log = logging.getLogger("devplugd.holdings")
 
@@ -46,10 +46,12 @@ T = TypeVar("T")
 class DurableBook(Generic[T]):
     """Records by key in ``path``, under ``list_key`` (``{"version": 1, "<list_key>": [...]}``).
     ``book`` names it in messages (``lease``, ``claim``). ``from_json`` raises ValueError (or
-    KeyError, TypeError) for an entry it cannot take; ``sort_keys`` sorts the file's keys."""
+    KeyError, TypeError) for an entry it cannot take; ``held_by`` says which devices a record
+    holds, and as whom; ``sort_keys`` sorts the file's keys."""
 
     def __init__(self, path: Path, book: str, list_key: str, key: Callable[[T], str],
-                 to_json: Callable[[T], Mapping[str, Any]], from_json: Callable[[Any], T], *,
+                 to_json: Callable[[T], Mapping[str, Any]], from_json: Callable[[Any], T],
+                 held_by: Callable[[T], Iterable[tuple[DeviceKey, Holder]]], *,
                  sort_keys: bool = False, on_change: Callable[[], None] = lambda: None) -> None:
         self._path = path
         self._book = book
@@ -57,12 +59,14 @@ class DurableBook(Generic[T]):
         self._key = key
         self._to_json = to_json
         self._from_json = from_json
+        self._held_by = held_by
         self._sort_keys = sort_keys
         self.on_change = on_change  # who holds what changed (a reservation, a write, the lost state)
         self._on_disk: dict[str, T] = {}
         self._pending: dict[str, T] = {}  # reserved or being written, not on disk yet
         self._write_lock = trio.Lock()
         self._changes = 0  # any change to what the book holds: reservations, writes, the lost state
+        self._holders: tuple[int, Mapping[DeviceKey, Holder]] | None = None  # (at _changes, holders)
         self._lost: LostBook | None = None
 
     @property
@@ -70,14 +74,17 @@ class DurableBook(Generic[T]):
         return self._path
 
     @property
-    def changes(self) -> int:
-        """Counts every change to what the book holds (for its owner's caches)."""
-        return self._changes
-
-    @property
     def records(self) -> Mapping[str, T]:
         """In force: those on disk (removals in flight included) and those being added."""
         return MappingProxyType({**self._on_disk, **self._pending})
+
+    def holders(self) -> Mapping[DeviceKey, Holder]:
+        """(resource, device ID) -> the holder, for the records in force; worked out once per
+        change of the book (every road asks it for every device it looks at)."""
+        if self._holders is None or self._holders[0] != self._changes:
+            self._holders = (self._changes, MappingProxyType(
+                {key: holder for record in self.records.values() for key, holder in self._held_by(record)}))
+        return self._holders[1]
 
     @property
     def on_disk(self) -> Mapping[str, T]:

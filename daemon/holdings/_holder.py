@@ -14,6 +14,8 @@ LOST_CLAIMS = "lost-claim-book"  # the claim book could not be read: any DRA dev
 
 CLEAR_COMMAND = "devplugd clear-lost"
 
+DeviceKey = tuple[str, str]  # (resource, device ID)
+
 
 @dataclass(frozen=True, slots=True)
 class Holder:

@@ -14,9 +14,7 @@ from daemon.checkpoint import Allocations, CheckpointReader, Reading
 from daemon.core import ResourcePool
 from daemon.core._tree import DRA_ROAD, WITHHELD_ROAD
 
-from ._holder import KUBELET, Holder, LostBook
-
-DeviceKey = tuple[str, str]  # (resource, device ID)
+from ._holder import KUBELET, DeviceKey, Holder, LostBook
 
 
 class HoldingBook(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -132,8 +132,7 @@ class LeaseBook:
     def __init__(self, state_dir: Path) -> None:
         self._book: DurableBook[Lease] = DurableBook(
             state_dir / LEASE_FILE, "lease", "leases", key=lambda lease: lease.lease, to_json=Lease.to_json,
-            from_json=Lease.from_json, sort_keys=True)
-        self._holders: tuple[int, Mapping[tuple[str, str], Holder]] | None = None
+            from_json=Lease.from_json, held_by=_held_by, sort_keys=True)
 
     @property
     def book(self) -> DurableBook[Lease]:
@@ -153,14 +152,8 @@ class LeaseBook:
         return self._book.lost_book
 
     def holders(self) -> Mapping[tuple[str, str], Holder]:
-        """(resource, device ID) -> the lease holding it, worked out once per change."""
-        changes = self._book.changes
-        if self._holders is None or self._holders[0] != changes:
-            self._holders = (changes, MappingProxyType({
-                (lease.resource, device): Holder(LEASE, lease.lease, lease.owner)
-                for lease in self._book.records.values() for device in lease.devices
-            }))
-        return self._holders[1]
+        """(resource, device ID) -> the lease holding it."""
+        return self._book.holders()
 
     def load(self) -> None:
         self._book.load()
@@ -179,3 +172,9 @@ class LeaseBook:
         if removed is None:
             raise LeaseError(f"no lease {lease_id!r}")
         return removed
+
+
+def _held_by(lease: Lease) -> Iterator[tuple[tuple[str, str], Holder]]:
+    """The devices a lease holds, each as held by it."""
+    for device in lease.devices:
+        yield (lease.resource, device), Holder(LEASE, lease.lease, lease.owner)
