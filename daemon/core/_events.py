@@ -67,6 +67,11 @@ class DeviceChanged:
     subsystem: str
     reason: str
 
+    def as_uevent(self) -> UEvent:
+        """The kernel's word for the same: a ``change`` uevent of the device (what a handler
+        that reads a device again for a change folds it as)."""
+        return UEvent("change", self.devpath, self.subsystem)
+
 
 @dataclass(frozen=True, slots=True)
 class LinkState:

@@ -11,6 +11,7 @@ CLAIM = "claim"  # a DRA ResourceClaim prepared on this node
 KUBELET = "kubelet"  # a pod, through the device-plugin API (the kubelet's checkpoint)
 LOST_LEASES = "lost-lease-book"  # the lease book could not be read: any device may be leased
 LOST_CLAIMS = "lost-claim-book"  # the claim book could not be read: any DRA device may be claimed
+LOST_KINDS = {"lease": LOST_LEASES, "claim": LOST_CLAIMS}  # a lost book (by its name) as a holder kind
 
 CLEAR_COMMAND = "devplugd clear-lost"
 
@@ -62,5 +63,4 @@ class LostBook:
         return f"the {self.book} book {self.path} {self.reason}{where}"
 
     def holder(self) -> Holder:
-        kind = LOST_LEASES if self.book == "lease" else LOST_CLAIMS
-        return Holder(kind, str(self.moved_to or self.path), f"{self.path} {self.reason}")
+        return Holder(LOST_KINDS[self.book], str(self.moved_to or self.path), f"{self.path} {self.reason}")

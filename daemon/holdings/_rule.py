@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from daemon.core import HEALTHY, ResourcePool
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD
 
-from ._holder import CLAIM, KUBELET, LEASE, LOST_CLAIMS, LOST_LEASES, Holder
+from ._holder import CLAIM, KUBELET, LEASE, LOST_CLAIMS, LOST_KINDS, LOST_LEASES, Holder
 
 # the reasons, in the order the rule tries them
 UNKNOWN = "unknown"
@@ -46,7 +46,6 @@ KUBELET_HELD = "kubelet"
 LOST_BOOK = "lost book"
 
 _HELD_REASONS = {LEASE: LEASED, CLAIM: CLAIMED, KUBELET: KUBELET_HELD, LOST_LEASES: LOST_BOOK, LOST_CLAIMS: LOST_BOOK}
-_LOST_KINDS = {"lease": LOST_LEASES, "claim": LOST_CLAIMS}
 
 HolderLookup = Callable[[ResourcePool, str], "Holder | None"]
 
@@ -133,7 +132,7 @@ def holder_of(pool: ResourcePool, device_id: str, asker: Asker, live: HolderLook
             if not asker.ignores(recorded):
                 return recorded
     if pool.lost_book:
-        recorded = Holder(_LOST_KINDS[pool.lost_book])
+        recorded = Holder(LOST_KINDS[pool.lost_book])
         if not asker.ignores(recorded):
             return recorded
     return None

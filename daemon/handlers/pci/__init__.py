@@ -113,7 +113,7 @@ class PciHandler:
             recovery = {a: state for a, state in facts.recovery.items() if a in scanned.devices}
             return replace(scanned, links=facts.links, recovery=MappingProxyType(recovery))
         if isinstance(event, DeviceChanged):  # found changed at Allocate: read it as a kernel change says
-            event = UEvent("change", event.devpath, event.subsystem)
+            event = event.as_uevent()
         if isinstance(event, UEvent):
             return fold_uevent(facts, event, self._sysfs_root, self._dev_root, self._proc_root)
         if isinstance(event, (LinkChanged, LinkSnapshot)):
@@ -126,7 +126,7 @@ class PciHandler:
         reads may wait for the kernel's device locks (seconds during a fatal reset), so the loop
         folds it in a worker thread."""
         if isinstance(event, DeviceChanged):
-            event = UEvent("change", event.devpath, event.subsystem)
+            event = event.as_uevent()
         return isinstance(event, UEvent) and recovery_concerns(facts, event)
 
     def health_step(self, event: Event) -> str | None:

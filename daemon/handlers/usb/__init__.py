@@ -128,7 +128,7 @@ class UsbDeviceHandler:
         if isinstance(event, Resync):
             return self.scan()
         if isinstance(event, DeviceChanged):  # found changed at Allocate: read it as a kernel change says
-            event = UEvent("change", event.devpath, event.subsystem)
+            event = event.as_uevent()
         if not isinstance(event, UEvent) or (found := device_name_in(event.devpath)) is None:
             return facts
         name, devpath = found
