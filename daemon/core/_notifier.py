@@ -29,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from ._tree import DeviceTree
+from ._tree import HEALTHY, DeviceTree, ResourcePool
 
 log = logging.getLogger("devplugd.notifier")
 
@@ -64,6 +65,17 @@ class Notifier:
         if subscriber in self._subscribers:
             self._subscribers.remove(subscriber)
 
+    @contextmanager
+    def stream(self, scope: Scope | None, first: DeviceTree) -> Iterator[TreeStream]:
+        """A gRPC stream's ``TreeStream``, subscribed while the block runs: it hears of every
+        tree after ``first`` (the one the stream starts from)."""
+        stream = TreeStream(scope, first)
+        self.subscribe(stream)
+        try:
+            yield stream
+        finally:
+            self.unsubscribe(stream)
+
     def publish(self, tree: DeviceTree) -> None:
         """Make ``tree`` current and offer it to every subscriber."""
         self._tree = tree
@@ -92,6 +104,24 @@ class Scope:
     concerns: Callable[[DeviceTree, DeviceTree], bool]
     unhealthy: Callable[[DeviceTree], frozenset[Hashable]]
     has: Callable[[DeviceTree, Hashable], bool]
+
+
+def devices_scope(concerns: Callable[[DeviceTree, DeviceTree], bool],
+                  follows: Callable[[ResourcePool], bool] = lambda pool: True) -> Scope:
+    """A Scope over every device, keyed ``(resource, device ID)``, of the pools ``follows``."""
+    def unhealthy(tree: DeviceTree) -> frozenset[Hashable]:
+        return frozenset((resource, device_id) for resource, pool in tree.pools.items()
+                         if follows(pool) and pool.healthy_count != len(pool.devices)
+                         for device_id, info in pool.devices.items() if info.health != HEALTHY)
+
+    def has(tree: DeviceTree, key: Hashable) -> bool:
+        assert isinstance(key, tuple)
+        resource, device_id = key
+        pool = tree.pools.get(resource)
+        return pool is not None and follows(pool) and device_id in pool.devices
+
+    return Scope(concerns, unhealthy, has)
+
 
 class MailboxClosed(Exception):
     """The stream was closed: the reader ends."""

@@ -204,31 +204,28 @@ class DevicePluginServicer(dp_grpc.DevicePluginServicer):
     ) -> AsyncIterator[dp.ListAndWatchResponse]:
         tree = self._notifier.tree
         pool = self._pool(tree)
-        stream = TreeStream(self._scope, tree)
-        self._streams.add(stream)
-        self._notifier.subscribe(stream)
-        self._metrics.tree_streams.labels(LISTANDWATCH).inc()
-        try:
-            last_listing = pool.listing if pool is not None else ()
-            yield self._messages.response(pool)
-            self._metrics.listandwatch_sent(self.resource, None)
-            last_sent = time.monotonic()
-            while True:
-                newer = await stream.next(last_sent=last_sent, quiet=COALESCE_QUIET, max_delay=COALESCE_MAX_DELAY)
-                assert newer is not None  # no timeout given
-                pool = self._pool(newer)
-                listing = pool.listing if pool is not None else ()
-                if listing != last_listing:
-                    last_listing = listing
-                    yield self._messages.response(pool)  # back here once grpc has written it
-                    self._metrics.listandwatch_sent(self.resource, stream.taken_arrival)
-                    last_sent = time.monotonic()
-        except MailboxClosed:
-            return
-        finally:
-            self._notifier.unsubscribe(stream)
-            self._streams.discard(stream)
-            self._metrics.tree_streams.labels(LISTANDWATCH).dec()
+        with self._notifier.stream(self._scope, tree) as stream, \
+                self._metrics.tree_streams.labels(LISTANDWATCH).track_inprogress():
+            self._streams.add(stream)
+            try:
+                last_listing = pool.listing if pool is not None else ()
+                yield self._messages.response(pool)
+                self._metrics.listandwatch_sent(self.resource, None)
+                last_sent = time.monotonic()
+                while True:
+                    newer = await stream.next(last_sent=last_sent, quiet=COALESCE_QUIET, max_delay=COALESCE_MAX_DELAY)
+                    assert newer is not None  # no timeout given
+                    pool = self._pool(newer)
+                    listing = pool.listing if pool is not None else ()
+                    if listing != last_listing:
+                        last_listing = listing
+                        yield self._messages.response(pool)  # back here once grpc has written it
+                        self._metrics.listandwatch_sent(self.resource, stream.taken_arrival)
+                        last_sent = time.monotonic()
+            except MailboxClosed:
+                return
+            finally:
+                self._streams.discard(stream)
 
     async def Allocate(
         self, request: dp.AllocateRequest, context: grpc.aio.ServicerContext[dp.AllocateRequest, dp.AllocateResponse]

@@ -28,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import AsyncIterator
 
 import grpc
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from daemon.core import HEALTHY
-from daemon.core._notifier import MailboxClosed, Notifier, Scope, TreeStream
+from daemon.core._notifier import MailboxClosed, Notifier, TreeStream, devices_scope
 from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.metrics import DRA_HEALTH, Metrics
 
@@ -77,21 +77,8 @@ def _dra_pools_changed(old: DeviceTree, new: DeviceTree) -> bool:
     )
 
 
-def _unhealthy(tree: DeviceTree) -> frozenset[Hashable]:
-    return frozenset((resource, device_id) for resource, pool in tree.pools.items()
-                     if pool.road == DRA_ROAD and pool.healthy_count != len(pool.devices)
-                     for device_id, info in pool.devices.items() if info.health != HEALTHY)
-
-
-def _has(tree: DeviceTree, key: Hashable) -> bool:
-    assert isinstance(key, tuple)
-    resource, device_id = key
-    pool = tree.pools.get(resource)
-    return pool is not None and pool.road == DRA_ROAD and device_id in pool.devices
-
-
 # a health stream follows the devices of the DRA pools
-HEALTH_SCOPE = Scope(lambda old, new: _dra_pools_changed(old, new), _unhealthy, _has)
+HEALTH_SCOPE = devices_scope(_dra_pools_changed, lambda pool: pool.road == DRA_ROAD)
 
 
 class HealthServicer(health_grpc.DRAResourceHealthServicer):
@@ -129,35 +116,31 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
         request: health.NodeWatchResourcesRequest,
         context: grpc.aio.ServicerContext[health.NodeWatchResourcesRequest, health.NodeWatchResourcesResponse],
     ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
-        sent_tree = self._notifier.tree
-        stream = TreeStream(HEALTH_SCOPE, sent_tree)
-        self._streams.add(stream)
-        self._notifier.subscribe(stream)
-        self._metrics.tree_streams.labels(DRA_HEALTH).inc()
+        first = self._notifier.tree
         loop = asyncio.get_running_loop()
-        try:
-            report = health_report(sent_tree, self._node_name)
-            log.info("kubelet watches DRA device health: %d devices", len(report))
-            yield self._message(report)
-            resend_at = loop.time() + self._resend_interval
-            while True:
-                tree = await stream.next(resend_at - loop.time())
-                if tree is not None:
-                    sent_tree = tree
-                    new_report = health_report(tree, self._node_name)
-                    if new_report == report:
-                        continue
-                    unhealthy = sum(1 for entry in new_report if entry[2] != health.HEALTHY)
-                    log.info("DRA device health changed (tree %d): %d devices, %d unhealthy",
-                             tree.version, len(new_report), unhealthy, extra={"EVENT": f"tree:{tree.version}"})
-                    report = new_report
-                elif loop.time() < resend_at:
-                    continue
+        with self._notifier.stream(HEALTH_SCOPE, first) as stream, \
+                self._metrics.tree_streams.labels(DRA_HEALTH).track_inprogress():
+            self._streams.add(stream)
+            try:
+                report = health_report(first, self._node_name)
+                log.info("kubelet watches DRA device health: %d devices", len(report))
                 yield self._message(report)
                 resend_at = loop.time() + self._resend_interval
-        except MailboxClosed:
-            return
-        finally:
-            self._notifier.unsubscribe(stream)
-            self._streams.discard(stream)
-            self._metrics.tree_streams.labels(DRA_HEALTH).dec()
+                while True:
+                    tree = await stream.next(resend_at - loop.time())
+                    if tree is not None:
+                        new_report = health_report(tree, self._node_name)
+                        if new_report == report:
+                            continue
+                        unhealthy = sum(1 for entry in new_report if entry[2] != health.HEALTHY)
+                        log.info("DRA device health changed (tree %d): %d devices, %d unhealthy",
+                                 tree.version, len(new_report), unhealthy, extra={"EVENT": f"tree:{tree.version}"})
+                        report = new_report
+                    elif loop.time() < resend_at:
+                        continue
+                    yield self._message(report)
+                    resend_at = loop.time() + self._resend_interval
+            except MailboxClosed:
+                return
+            finally:
+                self._streams.discard(stream)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import AsyncIterator, Hashable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,8 @@ from trio_asyncio import aio_as_trio, trio_as_aio
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
-from daemon.core import HEALTHY, ResourcePool
-from daemon.core._notifier import MailboxClosed, Notifier, Scope, TreeStream
+from daemon.core import ResourcePool
+from daemon.core._notifier import Notifier, devices_scope
 from daemon.core._tree import DeviceTree
 from daemon.holdings import CLAIM, KUBELET, LEASE, DurableBook, Holder, Holdings
 from daemon.metrics import HOST_WATCH, Metrics
@@ -40,20 +40,7 @@ from ._leases import Lease, LeaseBook
 log = logging.getLogger("devplugd.host")
 
 
-def _unhealthy(tree: DeviceTree) -> frozenset[Hashable]:
-    return frozenset((resource, device_id) for resource, pool in tree.pools.items()
-                     if pool.healthy_count != len(pool.devices)
-                     for device_id, info in pool.devices.items() if info.health != HEALTHY)
-
-
-def _has(tree: DeviceTree, key: Hashable) -> bool:
-    assert isinstance(key, tuple)
-    resource, device_id = key
-    pool = tree.pools.get(resource)
-    return pool is not None and device_id in pool.devices
-
-
-WATCH_SCOPE = Scope(lambda old, new: bool(new.diff(old).resources), _unhealthy, _has)  # a Watch follows every device
+WATCH_SCOPE = devices_scope(lambda old, new: bool(new.diff(old).resources))  # a Watch follows every device
 
 
 def device_message(pool: ResourcePool, device_id: str, holder: Holder | None) -> host.Device:
@@ -106,23 +93,16 @@ class HostServicer(host_grpc.HostServicer):
     ) -> AsyncIterator[host.WatchEvent]:
         await self._read_checkpoint()
         sent = self._notifier.tree
-        stream = TreeStream(WATCH_SCOPE, sent)
-        self._notifier.subscribe(stream)
-        self._metrics.tree_streams.labels(HOST_WATCH).inc()
-        try:
+        with self._notifier.stream(WATCH_SCOPE, sent) as stream, \
+                self._metrics.tree_streams.labels(HOST_WATCH).track_inprogress():
             yield host.WatchEvent(version=sent.version, snapshot=self._snapshot(sent))
-            while True:
+            while True:  # nothing closes a host stream: it ends when the client goes
                 tree = await stream.next()
                 assert tree is not None  # no timeout given
                 await self._read_checkpoint()
                 for event in self._deltas(sent, tree):
                     yield event
                 sent = tree
-        except MailboxClosed:
-            return
-        finally:
-            self._notifier.unsubscribe(stream)
-            self._metrics.tree_streams.labels(HOST_WATCH).dec()
 
     def _deltas(self, old: DeviceTree, new: DeviceTree) -> list[host.WatchEvent]:
         holder = self._holdings.holder
