@@ -148,7 +148,8 @@ def test_unchanged_pools_are_not_written_again(
     def writes() -> list[str]:
         return [f"{r.method} {r.path}" for r in api.requests if r.method in ("POST", "PUT", "DELETE")]
 
-    before = writes()
+    # the slice is visible before its POST is logged (the stand-in logs a request as it answers)
+    before = api.wait_until(writes, what="the slice's POST logged")
     seam.send("change", host.devpath(vfs[0]), "pci", PCI_SLOT_NAME=vfs[0])  # nothing a slice shows changes
     time.sleep(0.5)
     assert writes() == before
