@@ -20,7 +20,6 @@ before ``sendto`` on the seam to the stand-in receiving the list with the change
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -48,23 +47,11 @@ from benchmarks._events import Seam, clean_up, latency_row, revision_line, ueven
 from daemon._generated.devplugd.host.v1 import host_pb2 as host_api
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 from tests.fakesysfs import FakeHost
-from tests.kubelet import FakeKubelet
+from tests.kubelet import FakeKubelet, busy_node_checkpoint
 
 VFS = 64
 RESOURCE = "intel.com/busy_pool"
 TARGET_P99 = 0.010
-
-
-def write_checkpoint(directory: Path, pods: int, megabytes: float) -> int:
-    """The checkpoint of a busy node, renamed into place; its size in bytes."""
-    padding = "x" * max(0, int(megabytes * 1_000_000 / pods) - 150)
-    entries = [{"PodUID": f"pod-{n:06d}", "ContainerName": "app", "ResourceName": "example.com/other",
-                "DeviceIDs": {"0": [f"other-{n}"]}, "AllocResp": padding} for n in range(pods)]
-    data = json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}}, "Checksum": 1}).encode()
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / ".checkpoint.tmp").write_bytes(data)
-    (directory / ".checkpoint.tmp").rename(directory / "kubelet_internal_checkpoint")
-    return len(data)
 
 
 class Lister(threading.Thread):
@@ -138,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(revision_line(), flush=True)
     with short_tmp() as base, host_tmp() as host_dir:
         host = build_sriov_host(host_dir / "host", 1, VFS)
-        size = write_checkpoint(base / "device-plugins", arguments.pods, arguments.mb)
+        padding = max(0, int(arguments.mb * 1_000_000 / arguments.pods) - 150)  # ~150 bytes of each entry are fields
+        size = busy_node_checkpoint(base / "device-plugins", arguments.pods, padding)
         print(f"checkpoint: {size / 1e6:.1f} MB", flush=True)
         seam = Seam(base / "uevents.sock")
         kubelet = FakeKubelet(base / "device-plugins")

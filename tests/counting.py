@@ -3,17 +3,17 @@ those tests look at: the endpoints' socket files and the kubelet's checkpoint.""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import trio
 
-from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
+from daemon.checkpoint import CheckpointReader
 from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
 from daemon.holdings import CLAIM, Holder, HoldingBook, Holdings, LostBook
 from daemon.metrics import Metrics
+from tests.kubelet import write_checkpoint_entries
 
 
 class CountingHandler:
@@ -61,12 +61,8 @@ async def wait_for_socket(directory: Path, resource: str, *, present: bool = Tru
 def write_checkpoint(directory: Path, *device_ids: str, resource: str = "example.com/things") -> None:
     """The kubelet's checkpoint with ``device_ids`` of ``resource`` allocated to one pod, written
     as the kubelet writes it (a temporary file renamed into place)."""
-    entries = [{"PodUID": "uid-1", "ContainerName": "app", "ResourceName": resource,
-                "DeviceIDs": {"-1": list(device_ids)}, "AllocResp": ""}] if device_ids else []
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / ".tmp").write_text(json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}},
-                                                "Checksum": 1}))
-    (directory / ".tmp").rename(directory / CHECKPOINT_NAME)
+    write_checkpoint_entries(directory, [{"PodUID": "uid-1", "ContainerName": "app", "ResourceName": resource,
+                                          "DeviceIDs": {"-1": list(device_ids)}, "AllocResp": ""}] if device_ids else [])
 
 
 class ClaimsByDevice:

@@ -163,6 +163,25 @@ class DraDriverState:
                 for key, record in self.health.items()}
 
 
+def write_checkpoint_entries(directory: Path, entries: list[dict[str, Any]]) -> int:
+    """The kubelet's checkpoint with these ``PodDeviceEntries``, written as the kubelet writes it
+    (a temporary file renamed into place); its size in bytes."""
+    data = json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}}, "Checksum": 1}).encode()
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f".{CHECKPOINT}.tmp"
+    temporary.write_bytes(data)
+    temporary.rename(directory / CHECKPOINT)
+    return len(data)
+
+
+def busy_node_checkpoint(directory: Path, pods: int = 20000, padding: int = 100) -> int:
+    """The checkpoint of a busy node: ``pods`` pods, each holding a device of another resource,
+    with ``padding`` bytes of allocation answer (several MB in all); its size in bytes."""
+    return write_checkpoint_entries(directory, [
+        {"PodUID": f"pod-{n:06d}", "ContainerName": "app", "ResourceName": "example.com/other",
+         "DeviceIDs": {"0": [f"other-{n}"]}, "AllocResp": "x" * padding} for n in range(pods)])
+
+
 def _go_quoted(values: Any) -> str:
     """Go's %q of a []string: ["a" "b"]."""
     return "[" + " ".join(json.dumps(str(value)) for value in values) + "]"
@@ -233,13 +252,9 @@ class FakeKubelet:
 
     def write_checkpoint(self, allocated: dict[str, list[str]], pod: str = "uid-1", container: str = "app") -> None:
         """The checkpoint with ``allocated`` (resource -> device IDs) held by one pod's container."""
-        entries = [{"PodUID": pod, "ContainerName": container, "ResourceName": resource,
-                    "DeviceIDs": {"-1": device_ids}, "AllocResp": ""}
-                   for resource, device_ids in allocated.items() if device_ids]
-        document = {"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}}, "Checksum": 1}
-        temporary = self.device_plugin_dir / f".{CHECKPOINT}.tmp"
-        temporary.write_text(json.dumps(document))
-        temporary.rename(self.device_plugin_dir / CHECKPOINT)
+        write_checkpoint_entries(self.device_plugin_dir, [
+            {"PodUID": pod, "ContainerName": container, "ResourceName": resource, "DeviceIDs": {"-1": device_ids},
+             "AllocResp": ""} for resource, device_ids in allocated.items() if device_ids])
 
     def snapshot(self) -> dict[str, Any]:
         return {name: {"connected": s.connected, "registrations": s.registrations, "devices": len(s.devices)}

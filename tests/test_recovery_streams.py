@@ -17,11 +17,12 @@ from typing import Any
 from tests.apiserver import ApiServer
 from tests.daemonrun import REPO_ROOT, DaemonProcess, daemon_command, wait_for_control
 from tests.fakesysfs import FakeHost
-from tests.kubelet import FakeKubelet
+from tests.kubelet import FakeKubelet, busy_node_checkpoint
 from tests.seam import PF, Seam, create_vfs
 from tests.test_dra_daemon import DRIVER, dra_daemon
 from tests.test_dra_daemon import api as api  # a fixture
 from tests.test_dra_daemon import dra_kubelet as dra_kubelet  # a fixture
+from tests.waiting import wait_until
 
 RECOVERIES = 20
 QAT, VFS_POOL = "intel.com/qat_pf", "intel.com/sriov_vfs"
@@ -78,22 +79,12 @@ def recover(seam: Seam, host: FakeHost, addresses: list[str]) -> None:
                   PCI_SLOT_NAME=address)
 
 
-def busy_node_checkpoint(directory: Path, pods: int = 20000) -> None:
-    """The kubelet's checkpoint of a busy node (several MB: other resources' devices held by
-    thousands of pods), written as the kubelet writes it."""
-    entries = [{"PodUID": f"uid-{n}", "ContainerName": "app", "ResourceName": "example.com/other",
-                "DeviceIDs": {"-1": [f"other-{n}"]}, "AllocResp": "x" * 100} for n in range(pods)]
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / ".checkpoint.tmp").write_text(json.dumps({"Data": {"PodDeviceEntries": entries}, "Checksum": 1}))
-    (directory / ".checkpoint.tmp").rename(directory / "kubelet_internal_checkpoint")
-
-
 def within(seconds: float, condition: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
+    """Whether ``condition`` holds within ``seconds`` (counted, not a failure)."""
+    try:
+        wait_until(condition, seconds, interval=0.005)
+    except AssertionError:
+        return False
     return True
 
 
@@ -108,11 +99,12 @@ def test_every_recovery_shows_unhealthy_then_healthy_on_listandwatch_dra_health_
     dra_kubelet.wait_for_devices(QAT, 1)
     dra_kubelet.wait_for_dra(DRIVER)
     health = dra_kubelet.dra_state(DRIVER)
-    assert within(10, lambda: bool(health.health_messages) and len(health.health_messages[-1]) == 2)
+    wait_until(lambda: bool(health.health_messages) and len(health.health_messages[-1]) == 2,
+               what="the first health report, of both VFs")
     wait_for_control(short_tmp / "control.sock")
     watch = HostWatch(short_tmp / "control.sock")
     try:
-        assert within(10, watch.healthy)
+        wait_until(watch.healthy, what="devplugd watch: every device Healthy")
         seen = {"listandwatch": 0, "dra health": 0, "host watch": 0}
         for _ in range(RECOVERIES):
             lists, reports, lines = len(dra_kubelet.state(QAT).messages), len(health.health_messages), len(watch.lines)
