@@ -21,7 +21,9 @@ event loop (a tree that replaces others takes the oldest of theirs), for the rea
 
 ``TreeStream`` is the mailbox of a gRPC stream (ListAndWatch, DRA health, host Watch: asyncio
 tasks on the loop's one thread) with the waiting they need: the next tree, at most after a
-timeout, and for ListAndWatch the coalescing of bursts (see ``next``).
+timeout, and for ListAndWatch the coalescing of bursts (see ``next``). A stream opens it with
+``Notifier.stream``, subscribed for as long as the stream runs; ``devices_scope`` is the scope
+of a stream that follows devices across pools.
 """
 
 from __future__ import annotations
