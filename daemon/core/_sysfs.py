@@ -71,7 +71,7 @@ def link_name(path: PathLike) -> str | None:
     except (FileNotFoundError, NotADirectoryError, OSError):
         return None
     # interned: a driver or a PF address is the same name for thousands of functions
-    return sys.intern(os.path.basename(target.rstrip("/"))) or None
+    return sys.intern(target.rstrip("/").rpartition("/")[2]) or None
 
 
 def list_dir(path: PathLike) -> list[str]:

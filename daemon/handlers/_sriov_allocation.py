@@ -51,15 +51,29 @@ class HasInfo(Protocol):
     def info(self) -> Mapping[str, Mapping[str, str]]: ...
 
 
-def allocation_envs(
-    prefix: str, resource_name: str, device_ids: Sequence[str], details: Mapping[str, HasInfo]
-) -> dict[str, str]:
-    """``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs in request order) and its ``_INFO``."""
-    key = env_name(prefix, resource_name)
-    return {
-        key: ",".join(device_ids),
-        f"{key}_INFO": go_json({device_id: details[device_id].info for device_id in device_ids}),
-    }
+class AllocationEnvs:
+    """``PCIDEVICE_<PREFIX>_<NAME>`` (the IDs in request order) and its ``_INFO``, for one handler.
+
+    Each device's entry of ``_INFO`` is encoded once and kept while its record is the same
+    object (a tree keeps an unchanged device's record): an Allocate joins the kept entries in
+    key order, as Go writes a map, instead of encoding them again."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[HasInfo, str]] = {}  # device ID -> (its record, "ID":{...})
+
+    def envs(self, prefix: str, resource_name: str, device_ids: Sequence[str],
+             details: Mapping[str, HasInfo]) -> dict[str, str]:
+        key = env_name(prefix, resource_name)
+        entries = ",".join(self._entry(device_id, details[device_id]) for device_id in sorted(device_ids))
+        return {key: ",".join(device_ids), f"{key}_INFO": f"{{{entries}}}"}
+
+    def _entry(self, device_id: str, record: HasInfo) -> str:
+        known = self._entries.get(device_id)
+        if known is not None and known[0] is record:
+            return known[1]
+        entry = go_json({device_id: record.info})[1:-1]
+        self._entries[device_id] = (record, entry)
+        return entry
 
 
 def extra_info(additional_info: Mapping[str, Mapping[str, str]], key: str) -> dict[str, str]:

@@ -39,7 +39,7 @@ from daemon.core import (
     UEvent,
 )
 from daemon.handlers._functions import PCIE_ROOT, RDMA_SUBSYSTEMS, is_pcie_error_report
-from daemon.handlers._sriov_allocation import allocation_envs, vhost_net_available
+from daemon.handlers._sriov_allocation import AllocationEnvs, vhost_net_available
 
 from ._discovery import AuxFacts, scan_aux
 from ._folding import fold_links, fold_uevent
@@ -67,6 +67,7 @@ class AuxNetHandler:
         self._context = context
         self._sysfs_root = os.fspath(context.sysfs_root)
         self._dev_root = os.fspath(context.dev_root)
+        self._envs = AllocationEnvs()
 
     def parse_pool(self, entry: PoolEntry) -> AuxPoolSpec:
         return AuxPoolSpec(tuple(parse_selector(selector) for selector in entry.selectors))
@@ -94,7 +95,7 @@ class AuxNetHandler:
     ) -> ContainerAllocation:
         entry: PoolEntry = pool.pool_config.entry
         details: dict[str, AuxDetails] = {device_id: pool.devices[device_id].details for device_id in device_ids}
-        allocation.envs.update(allocation_envs(entry.resource_prefix, entry.resource_name, device_ids, details))
+        allocation.envs.update(self._envs.envs(entry.resource_prefix, entry.resource_name, device_ids, details))
         return allocation
 
     # DeviceDescriber: what a DRA ResourceSlice says of an SF, from its record alone.

@@ -37,7 +37,7 @@ from daemon.core import (
     read_hex_id,
 )
 from daemon.handlers._functions import RDMA_SUBSYSTEMS, is_pcie_error_report
-from daemon.handlers._sriov_allocation import allocation_envs
+from daemon.handlers._sriov_allocation import AllocationEnvs
 
 from ._allocation import (
     VFIO_DRIVER,
@@ -85,6 +85,7 @@ class PciHandler:
     def __init__(self, context: HandlerContext) -> None:
         self._context = context
         self._devinfo = DevinfoFiles(context.devinfo_dir)
+        self._envs = AllocationEnvs()
         self._sysfs_root = os.fspath(context.sysfs_root)
         self._dev_root = os.fspath(context.dev_root)
         self._proc_root = os.fspath(context.proc_root)
@@ -170,7 +171,7 @@ class PciHandler:
             allocation.specs[:] = first_per_host_path(fresh_specs + kept)
             allocation.reread |= {owner[address] for address in reread}
         addresses = list(functions)
-        allocation.envs.update(allocation_envs(entry.resource_prefix, entry.resource_name, addresses, functions))
+        allocation.envs.update(self._envs.envs(entry.resource_prefix, entry.resource_name, addresses, functions))
         if entry.device_type == PCI_DEVICE or all(r.device.driver == VFIO_DRIVER for r in functions.values()):
             allocation.envs[kubevirt_env_name(pool.resource)] = ",".join(addresses)
         if entry.device_type == NET_DEVICE:
@@ -184,7 +185,8 @@ class PciHandler:
         up) when the group changed; AllocationError when the device is no longer usable."""
         address = details.device.address
         try:
-            binding = read_vfio_binding(self._sysfs_root, address)
+            binding = read_vfio_binding(self._sysfs_root, address, known_group=details.device.iommu_group,
+                                        known_noiommu=details.device.noiommu)
         except SysfsError as error:
             raise AllocationError(f"{address}: {error}") from error
         if binding is None:

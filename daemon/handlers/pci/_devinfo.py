@@ -54,27 +54,32 @@ class DevinfoFiles:
 
     def __init__(self, directory: Path) -> None:
         self._directory = directory
-        self._written: dict[str, tuple[_Identity, bytes]] = {}  # path -> (identity after the write, content)
+        # (resource, PCI address) -> what was written: the file's identity after the write, the
+        # content, and the record it was made from (the same record: the same content, not encoded again)
+        self._written: dict[tuple[str, str], tuple[_Identity, bytes, PciDetails]] = {}
         self._lock = threading.Lock()
+
+    def _path(self, resource: str, address: str) -> str:
+        return os.path.join(self._directory, devinfo_file_name(resource, address))
 
     def write(self, resource: str, details: PciDetails) -> None:
         """Make the device's file say ``details`` (see the module docstring)."""
-        path = os.path.join(self._directory, devinfo_file_name(resource, details.device.address))
-        document = devinfo_document(details)
+        key = (resource, details.device.address)
         with self._lock:
-            known = self._written.pop(path, None)
-            if known is not None and known[1] == document and _identity(path) == known[0]:
-                self._written[path] = known
+            known = self._written.pop(key, None)
+            if known is not None and (known[2] is details or known[1] == devinfo_document(details)) \
+                    and _identity(self._path(*key)) == known[0]:
+                self._written[key] = (known[0], known[1], details)
                 return
-            self._written[path] = (self._replace(path, document), document)
+            document = devinfo_document(details)
+            self._written[key] = (self._replace(self._path(*key), document), document, details)
 
     def remove(self, resource: str, addresses: Iterable[str]) -> None:
         """Remove the files of these functions of ``resource``."""
         for address in addresses:
-            path = os.path.join(self._directory, devinfo_file_name(resource, address))
             with self._lock:
-                self._written.pop(path, None)
-                Path(path).unlink(missing_ok=True)
+                self._written.pop((resource, address), None)
+                Path(self._path(resource, address)).unlink(missing_ok=True)
 
     def remove_pool(self, resource: str) -> int:
         """Remove every device-info file of ``resource`` (and no other pool's); return how many."""
@@ -87,11 +92,10 @@ class DevinfoFiles:
         for name in names:
             if not (name.startswith(prefix) and name.endswith("-device.json")):
                 continue
-            if PCI_ADDRESS.fullmatch(name[len(prefix):-len("-device.json")]):
-                path = os.path.join(self._directory, name)
+            if PCI_ADDRESS.fullmatch(address := name[len(prefix):-len("-device.json")]):
                 with self._lock:
-                    self._written.pop(path, None)
-                    Path(path).unlink(missing_ok=True)
+                    self._written.pop((resource, address), None)
+                    Path(self._directory, name).unlink(missing_ok=True)
                 removed += 1
         return removed
 

@@ -222,17 +222,26 @@ class VfioBinding:
     noiommu: bool
 
 
-def read_vfio_binding(sysfs_root: str, address: str) -> VfioBinding | None:
+def read_vfio_binding(
+    sysfs_root: str, address: str, *, known_group: str | None = None, known_noiommu: bool = False
+) -> VfioBinding | None:
     """The driver and group links of one function, read afresh (``None`` if the function is gone).
-    Allocate uses it so that a group that changed since the last uevent is never handed out.
-    Two readlinks and a failed open (``name`` exists only for no-IOMMU groups) in the common
-    case: it runs for every vfio device of every Allocate."""
+    Allocate uses it so that a group that changed since the last uevent is never handed out: it
+    runs for every vfio device of every Allocate, so the common case is two readlinks.
+
+    Whether a group is a no-IOMMU one (its ``name``) is read only when the group is not
+    ``known_group`` (then it is ``known_noiommu``): no-IOMMU mode is the platform's (there is
+    no IOMMU for the device), which does not change while the host runs, so the same group
+    keeps the mode it was read with."""
     device_dir = f"{sysfs_root}/bus/pci/devices/{address}"
     driver = link_name(f"{device_dir}/driver")
     group = link_name(f"{device_dir}/iommu_group")
     if driver is None and group is None and not os.path.isdir(device_dir):
         return None
-    noiommu = group is not None and read_text(f"{device_dir}/iommu_group/name") == NOIOMMU_GROUP_NAME
+    if group is not None and group == known_group:
+        noiommu = known_noiommu
+    else:
+        noiommu = group is not None and read_text(f"{device_dir}/iommu_group/name") == NOIOMMU_GROUP_NAME
     return VfioBinding(driver=driver, iommu_group=group, noiommu=noiommu)
 
 
