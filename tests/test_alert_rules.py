@@ -1,0 +1,328 @@
+"""deploy/alerts/: the Prometheus alert rules (docs/alerts.md), checked by promtool and against
+the daemon they watch.
+
+``devplugd-rules.yaml`` (a plain Prometheus rules file) is the one source of truth;
+``prometheusrule.yaml`` (prometheus-operator's PrometheusRule) is rendered from it by this module:
+``.venv/bin/python -m tests.test_alert_rules`` writes it again. ``devplugd-rules.test.yaml`` is
+``promtool test rules``' unit tests, whose input series must be what a scrape of the daemon's
+registry has (names, labels, histogram buckets), plus the labels a scrape adds. promtool comes
+from Debian's ``prometheus`` package; without it these tests fail, they do not skip.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+import yaml
+from markdown.extensions.toc import slugify
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, ResourcePool
+from daemon.core._tree import DeviceTree
+from daemon.metrics import Metrics
+from tests.daemonrun import REPO_ROOT
+
+DEPLOY = REPO_ROOT / "deploy"
+ALERTS = DEPLOY / "alerts"
+RULES = ALERTS / "devplugd-rules.yaml"
+RULE_TESTS = ALERTS / "devplugd-rules.test.yaml"
+PROMETHEUS_RULE = ALERTS / "prometheusrule.yaml"
+POD_MONITOR = ALERTS / "podmonitor.yaml"
+DOCS = REPO_ROOT / "docs" / "alerts.md"
+RENDER = "python -m tests.test_alert_rules"
+
+# The scrape job the rules assume (docs/alerts.md), and the labels a scrape adds to every series:
+# Prometheus's job and instance, and what a PodMonitor's targets carry besides.
+JOB = "devplugd"
+TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "container", "endpoint"})
+SEVERITIES = ("critical", "warning", "info")
+
+Document = dict[str, Any]
+
+PROMETHEUS_RULE_HEADER = """\
+# GENERATED from devplugd-rules.yaml by `.venv/bin/python -m tests.test_alert_rules`: edit that
+# file, then run this again (tests/test_alert_rules.py fails while the two differ).
+# The alert rules for prometheus-operator (docs/alerts.md):
+#   kubectl apply -f deploy/alerts/prometheusrule.yaml
+# Not in deploy/kustomization.yaml: a cluster without prometheus-operator has no PrometheusRule kind.
+# kube-prometheus selects every PrometheusRule (its older releases, those labelled prometheus: k8s
+# and role: alert-rules); kube-prometheus-stack those labelled `release: <its release name>`.
+apiVersion: monitoring.coreos.com/v1
+kind: PrometheusRule
+metadata:
+  name: devplugd
+  namespace: devplugd
+  labels:
+    app.kubernetes.io/name: devplugd
+    prometheus: k8s
+    role: alert-rules
+"""
+
+
+def render_prometheus_rule(rules_text: str) -> str:
+    """The PrometheusRule whose ``spec`` is the rules file from its ``groups:`` on (its leading
+    comments left out), indented as it is, comments and all."""
+    groups = rules_text[re.search(r"^groups:", rules_text, re.MULTILINE).start():]  # type: ignore[union-attr]
+    return PROMETHEUS_RULE_HEADER + "spec:\n" + textwrap.indent(groups, "  ")
+
+
+def _load(path: Path) -> Any:
+    with path.open(encoding="utf-8") as stream:
+        return yaml.safe_load(stream)
+
+
+def _rules() -> list[Document]:
+    return [rule for group in _load(RULES)["groups"] for rule in group["rules"]]
+
+
+ALERT_RULES = {rule["alert"]: rule for rule in _rules() if "alert" in rule}
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is not on PATH: it comes with Debian's prometheus package "
+                    "(apt-get install prometheus; CI installs it in .ci/run)", pytrace=False)
+    return path
+
+
+def _run(*command: str) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}{done.stderr}"
+    return done.stdout
+
+
+def _seconds(duration: str) -> int:
+    """A Prometheus duration of whole units (``90s``, ``5m``, ``1h``) in seconds."""
+    match = re.fullmatch(r"(\d+)([smh])", duration)
+    assert match, f"not a duration this test reads: {duration!r}"
+    return int(match[1]) * {"s": 1, "m": 60, "h": 3600}[match[2]]
+
+
+# -- promtool ----------------------------------------------------------------------------------
+
+
+def test_the_rules_file_passes_promtool_check_rules(promtool: str) -> None:
+    assert f"SUCCESS: {len(_rules())} rules found" in _run(promtool, "check", "rules", str(RULES))
+
+
+def test_the_prometheusrules_spec_passes_promtool_check_rules(promtool: str, tmp_path: Path) -> None:
+    groups = tmp_path / "prometheusrule-spec.yaml"
+    groups.write_text(yaml.safe_dump(_load(PROMETHEUS_RULE)["spec"]), encoding="utf-8")
+    assert f"SUCCESS: {len(_rules())} rules found" in _run(promtool, "check", "rules", str(groups))
+
+
+def test_the_unit_tests_pass_promtool_test_rules(promtool: str) -> None:
+    assert "SUCCESS" in _run(promtool, "test", "rules", str(RULE_TESTS))
+
+
+# -- one source of truth, and what prometheus-operator reads -----------------------------------
+
+
+def test_the_prometheusrule_is_rendered_from_the_rules_file() -> None:
+    rendered = render_prometheus_rule(RULES.read_text(encoding="utf-8"))
+    assert PROMETHEUS_RULE.read_text(encoding="utf-8") == rendered, (
+        f"{PROMETHEUS_RULE.name} is not {RULES.name} rendered: run `.venv/bin/{RENDER}`")
+    assert _load(PROMETHEUS_RULE)["spec"] == _load(RULES)  # the same groups, exactly
+
+
+def _kustomization() -> Document:
+    kustomization: Document = _load(DEPLOY / "kustomization.yaml")
+    return kustomization
+
+
+def _daemonset() -> Document:
+    (daemonset,) = [document for document in yaml.safe_load_all((DEPLOY / "daemonset.yaml").read_text())
+                    if document and document["kind"] == "DaemonSet"]
+    return daemonset
+
+
+def test_the_prometheus_operator_objects_are_in_the_daemons_namespace_and_left_out_of_the_kustomization() -> None:
+    kustomization = _kustomization()
+    for path, kind, spec_keys in [(PROMETHEUS_RULE, "PrometheusRule", {"groups"}),
+                                  (POD_MONITOR, "PodMonitor", {"jobLabel", "selector", "podMetricsEndpoints"})]:
+        document = _load(path)
+        assert (document["apiVersion"], document["kind"]) == ("monitoring.coreos.com/v1", kind)
+        assert document["metadata"]["name"] == "devplugd"
+        assert document["metadata"]["namespace"] == kustomization["namespace"]
+        assert set(document["spec"]) == spec_keys
+        # a cluster without prometheus-operator would refuse the whole kustomization
+        assert not any(Path(resource).parts[0] == ALERTS.name for resource in kustomization["resources"])
+
+
+def test_the_pod_monitor_scrapes_the_daemonsets_metrics_port_as_the_job_the_rules_assume() -> None:
+    spec = _load(POD_MONITOR)["spec"]
+    pod = _daemonset()["spec"]["template"]
+    pod_labels = pod["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pod_labels[spec["jobLabel"]] == JOB
+    (endpoint,) = spec["podMetricsEndpoints"]
+    (container,) = pod["spec"]["containers"]
+    assert endpoint["port"] in [port["name"] for port in container["ports"]]
+    assert endpoint["path"] == "/metrics"
+    assert {"action": "replace", "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+            "targetLabel": "instance"} in endpoint["relabelings"]
+
+
+# -- the rules' conventions, and the page that documents them ----------------------------------
+
+
+@pytest.mark.parametrize("name", ALERT_RULES)
+def test_each_alert_has_a_for_a_severity_and_annotations_naming_its_node_and_pool(name: str) -> None:
+    rule = ALERT_RULES[name]
+    assert _seconds(rule["for"]) > 0
+    assert rule["labels"]["severity"] in SEVERITIES
+    annotations = rule["annotations"]
+    assert set(annotations) == {"summary", "description", "runbook_url"}
+    if "devplugd_" in rule["expr"]:  # the daemon's own series: one per node, and per pool where labelled
+        assert "$labels.instance" in annotations["description"]
+        assert ("resource" in _exported_labels(rule["expr"])) == ("$labels.resource" in annotations["description"])
+    elif "absent(" not in rule["expr"]:
+        assert "$labels.instance" in annotations["description"]
+
+
+@pytest.mark.parametrize("name", ALERT_RULES)
+def test_each_alerts_runbook_is_its_section_of_docs_alerts_md_with_its_severity_and_for(name: str) -> None:
+    rule = ALERT_RULES[name]
+    page = DOCS.read_text(encoding="utf-8")
+    # the anchor MkDocs (Python-Markdown's toc) and GitHub both give the heading `### DevplugdDown`
+    anchor = slugify(name, "-")
+    prefix, _, fragment = rule["annotations"]["runbook_url"].partition("#")
+    assert fragment == anchor
+    # docs/alerts.md as shipped; a site's address once it is made absolute (docs/alerts.md)
+    assert {ALERT_RULES[other]["annotations"]["runbook_url"].partition("#")[0] for other in ALERT_RULES} == {prefix}
+    assert prefix == "docs/alerts.md" or prefix.startswith("https://")
+    headings = [slugify(heading, "-") for heading in re.findall(r"^#{1,6} (.+)$", page, re.MULTILINE)]
+    assert anchor in headings, f"no section {name} in {DOCS.name}"
+    row = f"| [{name}](#{anchor}) | {rule['labels']['severity']} | {rule['for']} |"
+    assert row in page, f"the table of {DOCS.name} has no row starting {row}"
+
+
+def test_the_docs_page_links_only_to_its_own_sections_and_pages_beside_it() -> None:
+    """A valid MkDocs page: deploy/ is outside docs/, so paths there are code, not links."""
+    page = DOCS.read_text(encoding="utf-8")
+    headings = {slugify(heading, "-") for heading in re.findall(r"^#{1,6} (.+)$", page, re.MULTILINE)}
+    for target in re.findall(r"\]\(([^)]*)\)", page):
+        if target.startswith("#"):
+            assert target[1:] in headings, f"link to {target!r}"
+        else:
+            assert re.fullmatch(r"[\w-]+\.md", target) and (DOCS.parent / target).is_file(), f"link to {target!r}"
+
+
+# -- the unit tests: every alert, firing and quiet, on series the daemon exports ---------------
+
+
+def _unit_tests() -> list[Document]:
+    tests: list[Document] = _load(RULE_TESTS)["tests"]
+    return tests
+
+
+@pytest.mark.parametrize("name", ALERT_RULES)
+def test_each_alert_is_unit_tested_quiet_before_its_for_and_firing_after(name: str) -> None:
+    rule = ALERT_RULES[name]
+    quiet_then_firing = False
+    quiet_anywhere = False
+    for group in _unit_tests():
+        cases = [case for case in group["alert_rule_test"] if case["alertname"] == name]
+        quiet = [_seconds(case["eval_time"]) for case in cases if not case.get("exp_alerts")]
+        quiet_anywhere |= bool(quiet)
+        for case in cases:
+            for alert in case.get("exp_alerts") or []:
+                assert alert["exp_labels"]["severity"] == rule["labels"]["severity"]
+                assert set(alert["exp_annotations"]) == set(rule["annotations"])
+                fired_at = _seconds(case["eval_time"])
+                assert fired_at >= _seconds(rule["for"])
+                quiet_then_firing |= any(fired_at - _seconds(group["interval"]) <= at < fired_at for at in quiet)
+    assert quiet_then_firing, f"no unit test of {name} where it is quiet one interval before it fires"
+    assert quiet_anywhere
+
+
+def _exposition() -> dict[str, set[frozenset[tuple[str, str]]]]:
+    """Sample name -> the label sets of its samples, in a scrape of a daemon's registry whose
+    instruments have all been used (a labelled counter or histogram has no sample until then)."""
+    metrics = Metrics()
+    devices = {"0000:3b:02.0": DeviceInfo(health=HEALTHY), "0000:3b:02.1": DeviceInfo(health=UNHEALTHY)}
+    pool = ResourcePool("intel.com/dpdk", "pci", None, MappingProxyType(devices))  # type: ignore[arg-type]
+    metrics.tree.offer(DeviceTree.build(1, [pool]))
+    metrics.register_calls.labels(pool.resource).inc()
+    metrics.register_failures.labels(pool.resource).inc()
+    metrics.listandwatch_sent(pool.resource, time.monotonic())
+    scraped: dict[str, set[frozenset[tuple[str, str]]]] = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):  # the daemon turns those off
+                scraped.setdefault(sample.name, set()).add(frozenset(sample.labels.items()))
+    return scraped
+
+
+EXPOSITION = _exposition()
+
+
+def _label_names(name: str) -> frozenset[str]:
+    (names,) = {frozenset(label for label, _ in labels) for labels in EXPOSITION[name]}
+    return names
+
+
+def _exported_labels(expr: str) -> frozenset[str]:
+    return frozenset().union(*(_label_names(name) for name in re.findall(r"\bdevplugd_\w+", expr)))
+
+
+def _selector(series: str) -> tuple[str, dict[str, str]]:
+    match = re.fullmatch(r"([a-zA-Z_:][\w:]*)\{(.*)\}", series)
+    assert match, f"not a series this test reads: {series}"
+    return match[1], dict(re.findall(r'(\w+)="([^"]*)"', match[2]))
+
+
+def test_the_rules_read_only_series_the_daemon_exports_and_the_scrape_jobs_up() -> None:
+    for rule in _rules():
+        expr = rule["expr"]
+        for name in re.findall(r"\bdevplugd_\w+", expr):
+            assert name in EXPOSITION, f"{rule['alert']}: the daemon exports no {name}"
+        for matchers in re.findall(r"\bup\{([^}]*)\}", expr):
+            assert matchers == f'job="{JOB}"', f"{rule['alert']}: up{{{matchers}}}"
+
+
+def test_the_unit_tests_input_series_are_a_scrape_of_the_daemon_plus_target_labels() -> None:
+    histograms: dict[tuple[str, frozenset[tuple[str, str]]], set[str]] = {}
+    for group in _unit_tests():
+        for entry in group["input_series"]:
+            name, labels = _selector(entry["series"])
+            assert {"job", "instance"} <= labels.keys()
+            own = labels.keys() - TARGET_LABELS
+            if name == "up":  # Prometheus's own: target labels only
+                assert not own
+                continue
+            assert name in EXPOSITION, f"the daemon exports no {name}"
+            assert own == _label_names(name), f"{entry['series']}: the daemon's {name} has {_label_names(name)}"
+            if "le" in labels:
+                rest = frozenset((k, v) for k, v in labels.items() if k != "le")
+                histograms.setdefault((name, rest), set()).add(labels["le"])
+    for (name, _), buckets in histograms.items():
+        exported = {dict(labels)["le"] for labels in EXPOSITION[name]}
+        # every bucket, as the daemon writes its bound ("1.0", "+Inf")
+        assert buckets == exported, f"{name}: the daemon's buckets are {sorted(exported)}"
+
+
+def test_the_latency_bound_is_a_bucket_bound_of_the_histogram() -> None:
+    """``p99 > 1`` is exact only when 1 s is a bucket's upper bound (not interpolated)."""
+    expr = ALERT_RULES["DevplugdListAndWatchLatencyHigh"]["expr"]
+    match = re.search(r"histogram_quantile\(0\.99, rate\((\w+)_bucket\[\w+\]\)\) > ([\d.]+)$", expr)
+    assert match, expr
+    buckets = {float(dict(labels)["le"]) for labels in EXPOSITION[f"{match[1]}_bucket"]}
+    assert float(match[2]) in buckets
+
+
+if __name__ == "__main__":
+    PROMETHEUS_RULE.write_text(render_prometheus_rule(RULES.read_text(encoding="utf-8")), encoding="utf-8")
+    print(f"wrote {PROMETHEUS_RULE.relative_to(REPO_ROOT)}", file=sys.stderr)
