@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "event_latency": ("event_latency", ()),
     "seam_latency": ("seam_latency", ()),
     "checkpoint_load": ("checkpoint_load", ()),
+    "explain_latency": ("explain_latency", ()),
     "burst": ("burst", ()),
     "idle": ("idle", ("--seconds", "20")),
     "usb_hotplug": ("usb_hotplug", ()),

@@ -18,7 +18,7 @@ from daemon.logs import LEVELS, configure_logging
 from daemon.settings import KUBELET_KUBECONFIG, Settings, dra_names_problem
 
 DEFAULTS = Settings()
-CLIENT_COMMANDS = ("list", "watch", "allocate", "release", "leases", "clear-lost")
+CLIENT_COMMANDS = ("list", "watch", "allocate", "release", "leases", "clear-lost", "explain")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,7 +56,23 @@ def _parser() -> argparse.ArgumentParser:
         "held; say its devices are free, and they are offered again")
     clear.add_argument("book", choices=("leases", "claims"))
     clear.add_argument("--operator", help="who says so, for the log (default: USER@HOSTNAME)")
-    for sub in (listing, watch, allocate, release, leases, clear):
+    explain = commands.add_parser(
+        "explain", help="why a device is, or is not, in each pool: the first selector that refuses it and the "
+        "device's value, or the pool that offers it with its health and holder")
+    explain.add_argument("device", help="a PCI address (or netdev, or /dev/vfio/N), a /dev path, a USB ID "
+                         "(vendor:product) or port, or a device ID")
+    explain.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    explain.add_argument("--config", type=Path,
+                         help="answer without a daemon: from this config file and a scan of the host")
+    explain.add_argument("--sysfs-root", type=Path, default=DEFAULTS.sysfs_root,
+                         help="with --config: where sysfs is (default: %(default)s)")
+    explain.add_argument("--dev-root", type=Path, default=DEFAULTS.dev_root,
+                         help="with --config: where /dev is (default: %(default)s)")
+    explain.add_argument("--proc-root", type=Path, default=DEFAULTS.proc_root,
+                         help="with --config: where /proc is, for the default route (default: %(default)s)")
+    explain.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix,
+                         help="with --config (default: %(default)s)")
+    for sub in (listing, watch, allocate, release, leases, clear, explain):
         sub.add_argument("--control-socket", type=Path, default=DEFAULTS.control_socket, help=socket_help)
 
     check = commands.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
@@ -79,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = _parser().parse_args(argv)
+    if arguments.command == "explain" and arguments.config is not None:
+        configure_logging("error")
+        return _explain_without_daemon(arguments)
     if arguments.command in CLIENT_COMMANDS:
         return _client_command(arguments)
     from daemon import app  # after argument parsing, so --help and --version stay fast
@@ -151,6 +170,8 @@ def _client_command(arguments: argparse.Namespace) -> int:
         return client.run_client(client.command_release, socket, arguments.lease)
     if arguments.command == "clear-lost":
         return client.run_client(client.command_clear_lost, socket, arguments.book, arguments.operator)
+    if arguments.command == "explain":
+        return client.run_client(client.command_explain, socket, arguments.device, arguments.output)
     return client.run_client(client.command_leases, socket, arguments.output)
 
 
@@ -168,6 +189,24 @@ def _check_config(path: Path, resource_prefix: str) -> int:
     for pool in config.pools:
         print(f"{pool.resource}\t{pool.entry.device_type}")
     print(f"config {path}: valid, {len(config.pools)} pools")
+    return app.EXIT_OK
+
+
+def _explain_without_daemon(arguments: argparse.Namespace) -> int:
+    """``explain --config FILE``: the same answer as the daemon's, from a scan of the host."""
+    from daemon import app
+    from daemon.core._config import ConfigFileError
+    from daemon.host._explain import explain_without_daemon
+    from daemon.host.client import print_explanation
+
+    settings = Settings(resource_prefix=arguments.resource_prefix, sysfs_root=arguments.sysfs_root,
+                        dev_root=arguments.dev_root, proc_root=arguments.proc_root)
+    try:
+        handlers, config = app.load(settings, config_path=arguments.config)
+    except ConfigFileError as error:
+        print(f"devplugd: {error}", file=sys.stderr)
+        return app.EXIT_BAD_CONFIG
+    print_explanation(explain_without_daemon(handlers, config, arguments.device.strip()), arguments.output)
     return app.EXIT_OK
 
 

@@ -37,6 +37,7 @@ from daemon.checkpoint import CheckpointReader
 from daemon.core import Event, HandlerContext, Resync
 from daemon.core._config import ConfigFileError, DaemonConfig, load_config
 from daemon.core._events import ClaimsChanged, ConfigChanged, LeasesChanged, PluginSocketRemoved
+from daemon.core._explain import Explaining
 from daemon.core._handler import AnyHandler, HostChanges, tell_lifecycle
 from daemon.core._notifier import Notifier
 from daemon.core._registry import HandlerLoadError, load_handlers, parser_table
@@ -219,11 +220,13 @@ async def _serve(
                 nursery.start_soon(_follow_kubelet, kubelet_receive, endpoints, dra)
                 nursery.start_soon(keep_running, "the CDI writer", cdi.run, Backoff(first=0.1, maximum=10.0))
                 nursery.start_soon(keep_running, "the node labels", labels.run, Backoff(first=0.1, maximum=10.0))
-                loop = EventLoop(handlers, config, notifier, reload_config, holdings, service, metrics,
-                                 capacity=BUS_CAPACITY)
+                loop = event_loop = EventLoop(handlers, config, notifier, reload_config, holdings, service, metrics,
+                                              capacity=BUS_CAPACITY)
                 nursery.start_soon(loop.run, receive_channel)
-                host_api = HostServicer(notifier, Granter(notifier, handlers, leases, holdings), leases, holdings,
-                                        {"leases": leases.book, "claims": claims.book}, metrics)
+                explaining = Explaining(handlers, lambda: event_loop.config, event_loop.facts_of)
+                host_api = HostServicer(notifier, Granter(notifier, handlers, leases, holdings, explaining.why_empty),
+                                        leases, holdings, {"leases": leases.book, "claims": claims.book}, metrics,
+                                        explaining)
                 await nursery.start(serve_control_socket, settings.control_socket, settings.control_group, host_api)
                 await _start_sources(nursery, settings, handlers, inotify, send_channel, kubelet_send)
                 # Sources listen before the first scan, so nothing that happens during it is lost.

@@ -130,6 +130,10 @@ class EventLoop:
     def config(self) -> DaemonConfig:
         return self._config
 
+    def facts_of(self, handler: str) -> object | None:
+        """The handler's facts as last folded (``None``: it serves no pool, or has not scanned)."""
+        return self._facts.get(handler)
+
     async def run(self, events: trio.MemoryReceiveChannel[Event]) -> None:
         waiting: deque[tuple[Event, float]] = deque()  # taken off the bus, not handled yet
         while True:

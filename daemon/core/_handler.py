@@ -8,8 +8,8 @@ It carries the contract of Intel's device plugin framework into an event-driven 
 * the optional protocols below are opt-in by implementing them: ``Allocator`` (with
   ``UseDefault`` to fall back to the core's default answer), ``PostAllocator``,
   ``PreferredAllocator``, ``ContainerPreStarter``, ``PoolLifecycle`` for work done when pools
-  start and stop serving, and ``SideFileReleaser`` for the side files of devices whose DRA claim
-  was unprepared;
+  start and stop serving, ``SideFileReleaser`` for the side files of devices whose DRA claim
+  was unprepared, and ``Explainer`` (``_explain.py``) to say why a device is or is not in a pool;
 * two optional hints for the event loop, looked up by name: ``fold_may_block(facts, event)``
   (True: fold this event in a worker thread, its reads may wait on the kernel) and
   ``health_step(event)`` (``HEALTH_LOST`` / ``HEALTH_RESTORED`` / ``None``: the loop never folds a

@@ -10,7 +10,7 @@ GetPreferredAllocation would be answered), on the asked NUMA node first, else in
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 import grpc
@@ -36,8 +36,10 @@ _Context = grpc.aio.ServicerContext[host.AllocateRequest, host.Lease]
 
 class Granter:
     def __init__(self, notifier: Notifier, handlers: Mapping[str, AnyHandler], leases: LeaseBook,
-                 holdings: Holdings, with_cdi: bool = True) -> None:
+                 holdings: Holdings, why_empty: Callable[[str], str | None] | None = None,
+                 with_cdi: bool = True) -> None:
         self._notifier = notifier
+        self._why_empty = why_empty  # why a pool has no devices at all, from its handler
         self._hooks = {name: Hooks.of(handler) for name, handler in handlers.items()}
         self._leases = leases
         self._holdings = holdings
@@ -62,6 +64,10 @@ class Granter:
             return chosen
         if not 1 <= request.count <= MAX_COUNT:
             raise LeaseError("ask for a count of at least 1 or name the devices")
+        if not pool.devices:
+            empty = self._why_empty(pool.resource) if self._why_empty is not None else None
+            raise NotEnoughFree(f"{pool.resource} has no devices on this host"
+                                + (f": {empty}" if empty else "") + f" ({request.count} requested)")
         refused = {i: why for i in pool.devices if (why := refusal(pool, i, LEASE_ASKS, self._holdings.holder))}
         free = [i for i in sorted(pool.devices) if i not in refused]
         if len(free) < request.count:

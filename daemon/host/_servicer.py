@@ -7,7 +7,8 @@ according to the kubelet's checkpoint, or a book that could not be read), from
 changed, each stamped with the tree version; its stream is a ``TreeStream``, so a slow client is
 conflated, never wrong, and never misses a device becoming Unhealthy. ``Allocate`` grants a lease
 (``_grant.py``) with the same answer a kubelet Allocate gets, written to disk before it is
-returned. ``ClearLost`` is the operator's word that a lost book's devices are free. All of it
+returned. ``ClearLost`` is the operator's word that a lost book's devices are free. ``Explain``
+says why a device is or is not in each pool (``_explain.py``). All of it
 runs on the event loop's one thread; the checkpoint is read in a worker thread, and only after
 it changed.
 """
@@ -27,15 +28,17 @@ from trio_asyncio import aio_as_trio, trio_as_aio
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
-from daemon.core import ResourcePool
+from daemon.core._explain import Explaining
 from daemon.core._notifier import Notifier, devices_scope
 from daemon.core._tree import DeviceTree
-from daemon.holdings import CLAIM, KUBELET, LEASE, DurableBook, Holder, Holdings
+from daemon.holdings import DurableBook, Holdings
 from daemon.metrics import HOST_WATCH, Metrics
 from daemon.sockets import refuse, remove_socket_file, start_unix_server
 
+from ._explain import explain_response
 from ._grant import Granter
 from ._leases import Lease, LeaseBook
+from ._messages import device_message
 
 log = logging.getLogger("devplugd.host")
 
@@ -43,25 +46,12 @@ log = logging.getLogger("devplugd.host")
 WATCH_SCOPE = devices_scope(lambda old, new: bool(new.diff(old).resources))  # a Watch follows every device
 
 
-def device_message(pool: ResourcePool, device_id: str, holder: Holder | None) -> host.Device:
-    info = pool.devices[device_id]
-    device = host.Device(id=device_id, health=info.health, numa_nodes=info.numa_nodes, holder="free")
-    if holder is None:
-        return device
-    device.holder = holder.kind
-    if holder.kind == LEASE:
-        device.lease, device.owner = holder.name, holder.detail
-    elif holder.kind in (CLAIM, KUBELET):
-        device.owner = holder.name or holder.describe()
-    else:  # a lost book: where its file went, and why
-        device.lease, device.owner = holder.name, holder.detail
-    return device
-
-
 class HostServicer(host_grpc.HostServicer):
     def __init__(self, notifier: Notifier, granter: Granter, leases: LeaseBook, holdings: Holdings,
-                 books: Mapping[str, DurableBook[Any]], metrics: Metrics | None = None) -> None:
+                 books: Mapping[str, DurableBook[Any]], metrics: Metrics | None = None,
+                 explaining: Explaining | None = None) -> None:
         self._metrics = metrics or Metrics()
+        self._explaining = explaining
         self._notifier = notifier
         self._granter = granter
         self._leases = leases
@@ -126,6 +116,19 @@ class HostServicer(host_grpc.HostServicer):
         tree = self._notifier.tree
         return host.LeasesResponse(lost=self._leases.book.lost or "", leases=[
             _lease_message(lease, tree) for lease in sorted(self._leases.leases.values(), key=lambda x: x.created)])
+
+    async def Explain(
+        self, request: host.ExplainRequest, context: grpc.aio.ServicerContext[host.ExplainRequest,
+                                                                              host.ExplainResponse],
+    ) -> host.ExplainResponse:
+        if not request.device.strip():
+            await refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "name a device: a PCI address, a /dev path, "
+                         "a USB ID or a device ID")
+        if self._explaining is None:
+            await refuse(context, grpc.StatusCode.UNIMPLEMENTED, "this daemon does not explain devices")
+        await self._read_checkpoint()
+        return explain_response(request.device.strip(), self._explaining, self._notifier.tree,
+                                self._holdings.holder)
 
     # -- granting and releasing ------------------------------------------------------------------
     async def Allocate(

@@ -1,5 +1,5 @@
-"""The host-side commands: ``devplugd list|watch|allocate|release|leases|clear-lost`` over the
-control socket.
+"""The host-side commands: ``devplugd list|watch|allocate|release|leases|clear-lost|explain`` over
+the control socket.
 
 Human tables by default, JSON for scripts. Exit codes: 0 done; 1 refused by the daemon (the
 reason on stderr); 3 the daemon is not running (nothing listens on the control socket).
@@ -159,6 +159,55 @@ def command_clear_lost(control_socket: Path, book: str, operator: str | None) ->
                                 timeout=TIMEOUT)
     print(f"devplugd: {answer.message}")
     return EXIT_OK
+
+
+def command_explain(control_socket: Path, device: str, output: str) -> int:
+    """Why ``device`` is, or is not, in each pool of the running config."""
+    channel, stub = _stub(control_socket)
+    with channel:
+        response = stub.Explain(host.ExplainRequest(device=device), timeout=TIMEOUT)
+    print_explanation(response, output)
+    return EXIT_OK
+
+
+def print_explanation(response: host.ExplainResponse, output: str) -> None:
+    """An ``Explain`` answer: one line per pool, in config order, then the summary (``-o json``:
+    the message as JSON, field names as in the proto)."""
+    if output == "json":
+        print(json.dumps(explanation_json(response), indent=1))
+        return
+    for known in response.known_as:
+        print(f"{known.device}: {known.description}")
+    for pool in response.pools:
+        print(f"pool {pool.resource}: {_verdict_text(pool)}")
+    print(f"=> {response.summary}")
+
+
+def explanation_json(response: host.ExplainResponse) -> dict[str, Any]:
+    """The JSON shape of an ``Explain`` answer that scripts rely on (``explain -o json``)."""
+    pools = []
+    for pool in response.pools:
+        entry: dict[str, Any] = {"resource": pool.resource, "device_type": pool.device_type,
+                                 "outcome": pool.outcome, "reason": pool.reason}
+        if pool.outcome == "took":
+            entry.update(device=_device_json(pool.device), health_reason=pool.health_reason,
+                         allocation_api=pool.allocation_api)
+        pools.append(entry)
+    return {"device": response.device, "summary": response.summary, "pools": pools,
+            "known_as": [{"handler": k.handler, "device": k.device, "description": k.description}
+                         for k in response.known_as]}
+
+
+def _verdict_text(pool: host.PoolVerdict) -> str:
+    if pool.outcome == "took":
+        device = pool.device
+        health = device.health + (f" ({pool.health_reason})" if pool.health_reason else "")
+        held = f", {device.holder}" + (f" {device.lease} {device.owner}".rstrip() if device.holder != "free" else "") \
+            if device.holder else ""
+        return f"takes it as {device.id} ({pool.reason}): {health}{held}, through {pool.allocation_api}"
+    if pool.outcome == "left out":
+        return f"left out: {pool.reason}"
+    return pool.reason
 
 
 def describe_lease(message: host.Lease) -> dict[str, Any]:

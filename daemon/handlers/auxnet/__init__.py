@@ -30,9 +30,11 @@ from daemon.core import (
     ContainerAllocation,
     DeviceMap,
     Event,
+    Explanation,
     HandlerContext,
     LinkChanged,
     LinkSnapshot,
+    Offered,
     PoolEntry,
     ResourcePool,
     Resync,
@@ -42,12 +44,14 @@ from daemon.handlers._functions import PCIE_ROOT, RDMA_SUBSYSTEMS, is_pcie_error
 from daemon.handlers._sriov_allocation import AllocationEnvs, vhost_net_available
 
 from ._discovery import AuxFacts, scan_aux
+from ._explain import explain as explain_sf
+from ._explain import why_empty as why_pool_empty
 from ._folding import fold_links, fold_uevent
 from ._pools import AuxDetails, AuxPoolSpec, build_pools
 from ._selectors import parse_selector
 
 if TYPE_CHECKING:
-    from daemon.core import DeviceDescriber, Handler, PostAllocator
+    from daemon.core import DeviceDescriber, Explainer, Handler, PostAllocator
 
 
 AUX_NET_DEVICE = "auxNetDevice"
@@ -98,6 +102,14 @@ class AuxNetHandler:
         allocation.envs.update(self._envs.envs(entry.resource_prefix, entry.resource_name, device_ids, details))
         return allocation
 
+    # Explainer: why an SF is or is not in a pool (devplugd explain).
+    def explain(self, facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]], device: str,
+                offered: Offered) -> Explanation | None:
+        return explain_sf(facts, pools, device, offered)
+
+    def why_empty(self, facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]], resource: str) -> str:
+        return why_pool_empty(facts, pools, resource)
+
     # DeviceDescriber: what a DRA ResourceSlice says of an SF, from its record alone.
     def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]:
         record: AuxDetails = pool.devices[device_id].details
@@ -123,3 +135,4 @@ if TYPE_CHECKING:
     _handler: type[Handler[AuxFacts, AuxPoolSpec]] = AuxNetHandler
     _post_allocator: type[PostAllocator] = AuxNetHandler
     _describer: type[DeviceDescriber] = AuxNetHandler
+    _explainer: type[Explainer] = AuxNetHandler

@@ -40,9 +40,14 @@ class AuxDetails:
     info: Mapping[str, Mapping[str, str]]
 
 
-def health(sf: ScalableFunction, facts: AuxFacts) -> str:
+def unhealthy_reason(sf: ScalableFunction, facts: AuxFacts) -> str | None:
+    """Why the SF is Unhealthy (its link is up without carrier), or ``None``."""
     state = facts.links.get(sf.netdev) if sf.netdev is not None else None
-    return UNHEALTHY if state is not None and state.carrier_lost else HEALTHY
+    return f"link {sf.netdev} is up without carrier" if state is not None and state.carrier_lost else None
+
+
+def health(sf: ScalableFunction, facts: AuxFacts) -> str:
+    return HEALTHY if unhealthy_reason(sf, facts) is None else UNHEALTHY
 
 
 def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, facts: AuxFacts,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from daemon.core import ConfigError, ConfigObject
+from daemon.core import ConfigError, ConfigObject, Mismatch, wanted
 from daemon.handlers._sriov_selectors import pf_selected, warn_entry_problems
 
 from ._discovery import SF_TYPE, ParentPf, ScalableFunction
@@ -46,21 +46,28 @@ class AuxSelector:
     need_vhost_net: bool = False
 
     def matches(self, sf: ScalableFunction, pf: ParentPf) -> bool:
+        return self.mismatch(sf, pf) is None
+
+    def mismatch(self, sf: ScalableFunction, pf: ParentPf) -> Mismatch | None:
+        """The first key that refuses the SF, what it wants and what the SF (or its PF: vendors,
+        devices, drivers are the PF's, as upstream) has; ``None``: it matches."""
         if self.vendors and pf.vendor not in self.vendors:
-            return False
+            return Mismatch("vendors", wanted(self.vendors), f"{pf.vendor} (its PF's)")
         if self.devices and pf.device not in self.devices:
-            return False
+            return Mismatch("devices", wanted(self.devices), f"{pf.device} (its PF's)")
         if self.drivers and pf.driver not in self.drivers:
-            return False
+            return Mismatch("drivers", wanted(self.drivers), f"{pf.driver or 'no driver'} (its PF's)")
         if sf.aux_type not in self.aux_types:
-            return False
+            return Mismatch("auxTypes", wanted(self.aux_types), sf.aux_type)
         if self.pf_names and not pf_selected(self.pf_names, pf.name, sf.sfnum):
-            return False
+            return Mismatch("pfNames", wanted(self.pf_names), f"sfnum {sf.sfnum} of {pf.name or pf.address}")
         if self.root_devices and not pf_selected(self.root_devices, pf.address, sf.sfnum):
-            return False
+            return Mismatch("rootDevices", wanted(self.root_devices), f"sfnum {sf.sfnum} of {pf.address}")
         if self.link_types and sf.link_type(pf) not in self.link_types:
-            return False
-        return not self.is_rdma or bool(sf.rdma_devices)
+            return Mismatch("linkTypes", wanted(self.link_types), sf.link_type(pf) or "none")
+        if self.is_rdma and not sf.rdma_devices:
+            return Mismatch("isRdma", "an RDMA device", "none")
+        return None
 
 
 def parse_aux_types(selector: ConfigObject) -> tuple[str, ...]:

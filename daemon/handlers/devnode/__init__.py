@@ -29,7 +29,9 @@ from daemon.core import (
     DeviceMap,
     DeviceSpec,
     Event,
+    Explanation,
     HandlerContext,
+    Offered,
     PoolEntry,
     ResourcePool,
     Resync,
@@ -37,11 +39,13 @@ from daemon.core import (
 )
 from daemon.handlers._devnodes import parse_permissions, relative_devname
 from daemon.handlers._functions import is_pcie_error_report
+from daemon.handlers.devnode._explain import explain as explain_node
+from daemon.handlers.devnode._explain import why_empty as why_pool_empty
 from daemon.handlers.devnode._nodes import NodeRecord, read_record, scan_records
 from daemon.handlers.devnode._selectors import NodeSelector, parse_selector, path_matches
 
 if TYPE_CHECKING:
-    from daemon.core import DeviceDescriber, Handler
+    from daemon.core import DeviceDescriber, Explainer, Handler
 
 log = logging.getLogger("devplugd.devnode")
 
@@ -198,6 +202,15 @@ class DevNodeHandler:
             return record.host_path
         return record.first_link(spec.container_path) or record.host_path
 
+    # Explainer: why a node is or is not in a pool (devplugd explain).
+    def explain(self, facts: Mapping[str, NodeRecord], pools: Sequence[ConfiguredPool[DevNodePoolSpec]],
+                device: str, offered: Offered) -> Explanation | None:
+        return explain_node(facts, pools, device, offered)
+
+    def why_empty(self, facts: Mapping[str, NodeRecord], pools: Sequence[ConfiguredPool[DevNodePoolSpec]],
+                  resource: str) -> str:
+        return why_pool_empty(facts, pools, resource)
+
     # DeviceDescriber: a DRA device says which node it puts in the container.
     def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]:
         """``path``: the device node's path inside the container (``/dev/net/tun``)."""
@@ -209,3 +222,4 @@ if TYPE_CHECKING:
     # mypy checks here that DevNodeHandler keeps the handler contract and the hooks it opts into.
     _handler: type[Handler[Mapping[str, NodeRecord], DevNodePoolSpec]] = DevNodeHandler
     _describer: type[DeviceDescriber] = DevNodeHandler
+    _explainer: type[Explainer] = DevNodeHandler

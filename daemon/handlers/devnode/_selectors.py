@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-from daemon.core import ConfigError, ConfigObject, set_by_udev
+from daemon.core import ConfigError, ConfigObject, Mismatch, set_by_udev, wanted
 from daemon.handlers._devnodes import DEV_PREFIX
 
 UDEV_KEYS = ("subsystems", "properties", "parentProperties")
@@ -37,20 +37,35 @@ class UdevSelector:
         return sorted({key for key, _ in (*self.properties, *self.parent_properties) if set_by_udev(key)})
 
     def matches(self, own: Mapping[str, str], ancestors: Sequence[Mapping[str, str]]) -> bool:
+        return self.mismatch(own, ancestors) is None
+
+    def mismatch(self, own: Mapping[str, str], ancestors: Sequence[Mapping[str, str]]) -> Mismatch | None:
+        """What refuses a node with these properties (``None``: it matches): the key, what it
+        wants, what the node has."""
         if self.subsystems and not any(fnmatchcase(own.get("SUBSYSTEM", ""), s) for s in self.subsystems):
-            return False
-        if not all(key in own and fnmatchcase(own[key], glob) for key, glob in self.properties):
-            return False
-        return all(
-            any(key in properties and fnmatchcase(properties[key], glob) for properties in ancestors)
-            for key, glob in self.parent_properties
-        )
+            return Mismatch("udev.subsystems", wanted(self.subsystems), own.get("SUBSYSTEM") or "no SUBSYSTEM")
+        for key, glob in self.properties:
+            if not (key in own and fnmatchcase(own[key], glob)):
+                return Mismatch(f"udev.properties.{key}", repr(glob), repr(own[key]) if key in own else "none")
+        for key, glob in self.parent_properties:
+            if not any(key in properties and fnmatchcase(properties[key], glob) for properties in ancestors):
+                seen = sorted({p[key] for p in ancestors if key in p})
+                return Mismatch(f"udev.parentProperties.{key}", repr(glob),
+                                f"{', '.join(map(repr, seen))} on its ancestors" if seen else "none on its ancestors")
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class NodeSelector:
     patterns: tuple[tuple[str, ...], ...] | None  # each /dev glob split into components; None: any path
     udev: UdevSelector | None  # None: any properties
+
+    def path_mismatch(self, relative_path: str) -> Mismatch | None:
+        """``paths`` refusing the node at ``relative_path`` (below /dev), or ``None``."""
+        if self.patterns is None or any(path_matches(parts, relative_path) for parts in self.patterns):
+            return None
+        return Mismatch("paths", wanted(DEV_PREFIX + "/".join(parts) for parts in self.patterns),
+                        DEV_PREFIX + relative_path)
 
 
 def path_matches(parts: tuple[str, ...], relative_path: str) -> bool:

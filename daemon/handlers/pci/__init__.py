@@ -25,9 +25,11 @@ from daemon.core import (
     DeviceChanged,
     DeviceMap,
     Event,
+    Explanation,
     HandlerContext,
     LinkChanged,
     LinkSnapshot,
+    Offered,
     PoolEntry,
     ResourcePool,
     Resync,
@@ -50,6 +52,8 @@ from ._allocation import (
 from ._attributes import pci_attributes
 from ._devinfo import DevinfoFiles
 from ._discovery import pci_devpath, read_vfio_binding, scan_pci
+from ._explain import explain as explain_function
+from ._explain import why_empty as why_pool_empty
 from ._facts import PciFacts
 from ._folding import ERROR_EVENTS, fold_links, fold_uevent, recovery_concerns
 from ._groups import is_bridge_class
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
     from daemon.core import (
         AttributeValue,
         DeviceDescriber,
+        Explainer,
         Handler,
         PoolLifecycle,
         PostAllocator,
@@ -221,6 +226,14 @@ class PciHandler:
                                   f"{', '.join(others)}; not handing out part of a group (try again once the "
                                   "pool has caught up)")
 
+    # Explainer: why a function is or is not in a pool (devplugd explain).
+    def explain(self, facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], device: str,
+                offered: Offered) -> Explanation | None:
+        return explain_function(facts, pools, device, offered)
+
+    def why_empty(self, facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], resource: str) -> str:
+        return why_pool_empty(facts, pools, resource)
+
     # PreferredAllocator: offered only when the pool sets an allocation policy.
     def offers_preferred_allocation(self, pool: ResourcePool) -> bool:
         spec: PciPoolSpec = pool.pool_config.spec
@@ -280,3 +293,4 @@ if TYPE_CHECKING:
     _releaser: type[SideFileReleaser] = PciHandler
     _describer: type[DeviceDescriber] = PciHandler
 
+    _explainer: type[Explainer] = PciHandler

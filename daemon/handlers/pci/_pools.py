@@ -42,35 +42,54 @@ class PciPoolSpec:
     allocation_policy: str | None = None  # "packed" or "spread": GetPreferredAllocation is offered
 
 
-def eligible(device: PciDevice, device_type: str) -> bool:
-    """Whether upstream would consider ``device`` for a pool of ``device_type`` at all."""
+# why a device is not considered for a pool at all (constants: the build asks for every device)
+NO_DRIVER = "it is bound to no driver"
+NOT_AN_ACCELERATOR = "deviceType accelerator takes processing accelerators (class 12) only"
+NOT_A_NIC = "deviceType netDevice takes network functions (class 02) only"
+PF_WITH_VFS = "a PF with VFs enabled is not offered (its VFs are)"
+DEFAULT_ROUTE = "it carries the host's default route (the uplink is never offered)"
+NO_IOMMU_GROUP = "it is bound to vfio-pci but has no iommu_group link"
+
+
+def ineligibility(device: PciDevice, device_type: str) -> str | None:
+    """Why upstream would not consider ``device`` for a pool of ``device_type`` at all, or
+    ``None``: it would."""
     if device.driver is None:
-        return False
+        return NO_DRIVER
     if device_type == ACCELERATOR:
-        return device.base_class == ACCELERATOR_CLASS
-    if device_type == PCI_DEVICE:  # any function, but not a PF whose VFs others may use, nor the uplink
-        return not (device.is_pf and device.num_vfs > 0) and not device.has_default_route
-    return (
-        device.base_class == NETWORK_CLASS
-        and not (device.is_pf and device.num_vfs > 0)
-        and not device.has_default_route
-    )
+        return None if device.base_class == ACCELERATOR_CLASS else NOT_AN_ACCELERATOR
+    if device_type != PCI_DEVICE and device.base_class != NETWORK_CLASS:  # pciDevice: any function
+        return NOT_A_NIC
+    if device.is_pf and device.num_vfs > 0:  # a PF whose VFs others may use
+        return PF_WITH_VFS
+    if device.has_default_route:
+        return DEFAULT_ROUTE
+    return None
 
 
-def health(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
-           recovery: Mapping[str, str] = MappingProxyType({})) -> str:
-    """Unhealthy in error recovery (``recovery``: address -> state) whatever its links say, or
-    when a watched link is up without carrier."""
-    if device.address in recovery:
-        return UNHEALTHY
+def eligible(device: PciDevice, device_type: str) -> bool:
+    return ineligibility(device, device_type) is None
+
+
+def unhealthy_reason(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
+                     recovery: Mapping[str, str] = MappingProxyType({})) -> str | None:
+    """Why ``device`` is Unhealthy, or ``None``: in PCIe error recovery (``recovery``: address ->
+    state) whatever its links say, or a watched link up without carrier."""
+    if (recovering := recovery.get(device.address)) is not None:
+        return "its PCIe error recovery failed" if recovering == "failed" else "it is in PCIe error recovery"
     watched = [device.netdevs[0]] if device.netdevs else []
     if check_on_pf and device.pf_netdev:
         watched.append(device.pf_netdev)
     for ifname in watched:
         state = links.get(ifname)
         if state is not None and state.carrier_lost:
-            return UNHEALTHY
-    return HEALTHY
+            return f"link {ifname} is up without carrier"
+    return None
+
+
+def health(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
+           recovery: Mapping[str, str] = MappingProxyType({})) -> str:
+    return HEALTHY if unhealthy_reason(device, links, check_on_pf, recovery) is None else UNHEALTHY
 
 
 def _depends_on(device: PciDevice) -> set[str]:
@@ -221,10 +240,10 @@ class PoolBuilder:
         def place(device: PciDevice) -> tuple[str, DeviceInfo] | None:
             for pool in pools:
                 spec: PciPoolSpec = pool.spec
-                if not eligible(device, spec.device_type):
+                if ineligibility(device, spec.device_type) is not None:
                     continue
                 for selector in spec.selectors:
-                    if selector.matches(device, ddp_profile):
+                    if selector.refusing_key(device, ddp_profile) is None:
                         info = _device_info(device, pool, selector, facts, vhost_available, self._dev_root)
                         return None if info is None else (pool.resource, info)
             return None
@@ -232,13 +251,18 @@ class PoolBuilder:
         return place
 
 
+def unusable_reason(device: PciDevice) -> str | None:
+    """Why a device a selector admitted cannot be offered, or ``None``."""
+    return NO_IOMMU_GROUP if device.driver == "vfio-pci" and device.iommu_group is None else None
+
+
 def _device_info(
     device: PciDevice, pool: ConfiguredPool[PciPoolSpec], selector: PciSelector, facts: PciFacts, vhost_available: bool,
     dev_root: str,
 ) -> DeviceInfo | None:
-    if device.driver == "vfio-pci" and device.iommu_group is None:
-        log.warning("skipping %s in %s: bound to vfio-pci but has no iommu_group link", device.address,
-                    pool.resource, extra={"PCI_ADDR": device.address, "RESOURCE": pool.resource})
+    if (unusable := unusable_reason(device)) is not None:
+        log.warning("skipping %s in %s: %s", device.address, pool.resource, unusable,
+                    extra={"PCI_ADDR": device.address, "RESOURCE": pool.resource})
         return None
     specs, info, rdma_device = device_specs_and_info(
         device,

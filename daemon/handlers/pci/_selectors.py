@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
 
-from daemon.core import ConfigError, ConfigObject
+from daemon.core import ConfigError, ConfigObject, Mismatch, wanted
 from daemon.handlers._sriov_selectors import pf_selected, warn_entry_problems
 
 from ._facts import PciDevice
@@ -65,35 +65,76 @@ class PciSelector:
     pf_named_by_address: bool = False
 
     def matches(self, device: PciDevice, ddp_profile: Callable[[str], str | None]) -> bool:
+        return self.refusing_key(device, ddp_profile) is None
+
+    def refusing_key(self, device: PciDevice, ddp_profile: Callable[[str], str | None]) -> str | None:
+        """The first key that refuses ``device`` (its config name), or ``None``: it matches."""
         if self.vendors and device.vendor not in self.vendors:
-            return False
+            return "vendors"
         if self.devices and device.device not in self.devices:
-            return False
+            return "devices"
         if self.drivers and device.driver not in self.drivers:
-            return False
+            return "drivers"
         if self.pci_addresses and device.address not in self.pci_addresses:
-            return False
+            return "pciAddresses"
         if self.acpi_indexes and device.acpi_index not in self.acpi_indexes:
-            return False
+            return "acpiIndexes"
         if self.classes and not device.class_code.startswith(self.classes):
-            return False
-        if self.pf_names:
-            pf_name = device.pf_netdev or (device.pf_address if self.pf_named_by_address else None)
-            if not pf_selected(self.pf_names, pf_name, device.vf_index):
-                return False
+            return "classes"
+        if self.pf_names and not pf_selected(self.pf_names, self._pf_name(device), device.vf_index):
+            return "pfNames"
         if self.root_devices and not pf_selected(self.root_devices, device.pf_address, device.vf_index):
-            return False
+            return "rootDevices"
         if self.link_types and device.link_type not in self.link_types:
-            return False
+            return "linkTypes"
         if self.ddp_profiles and ddp_profile(device.address) not in self.ddp_profiles:
-            return False
+            return "ddpProfiles"
         if self.pkeys and (device.link_type != INFINIBAND or device.pkey not in self.pkeys):
-            return False
+            return "pKeys"
         if self.is_rdma and not device.rdma_devices:
-            return False
+            return "isRdma"
         if self.vdpa_type is not None and (device.vdpa is None or device.vdpa.vdpa_type != self.vdpa_type):
-            return False
-        return True
+            return "vdpaType"
+        return None
+
+    def _pf_name(self, device: PciDevice) -> str | None:
+        return device.pf_netdev or (device.pf_address if self.pf_named_by_address else None)
+
+    def mismatch(self, device: PciDevice, ddp_profile: Callable[[str], str | None]) -> Mismatch | None:
+        """What refuses ``device``: the key, what it wants, what the device has (for ``explain``)."""
+        key = self.refusing_key(device, ddp_profile)
+        if key is None:
+            return None
+        return Mismatch(key, *self._wants_and_has(key, device, ddp_profile))
+
+    def _wants_and_has(self, key: str, device: PciDevice,
+                       ddp_profile: Callable[[str], str | None]) -> tuple[str, str]:
+        vf = f"VF {device.vf_index} of " if device.pf_address else ""
+        if key in ("pfNames", "rootDevices"):
+            pf = self._pf_name(device) if key == "pfNames" else device.pf_address
+            return wanted(self.pf_names if key == "pfNames" else self.root_devices), \
+                f"{vf}{pf}" if pf else "no PF (not a VF)"
+        if key == "ddpProfiles":
+            return wanted(self.ddp_profiles), ddp_profile(device.address) or "none"
+        if key == "pKeys":
+            has_pkey = device.link_type == INFINIBAND and device.pkey is not None
+            return wanted(f"0x{pkey:04x}" for pkey in sorted(self.pkeys)), \
+                f"pkey 0x{device.pkey:04x}" if has_pkey else f"link type {device.link_type or 'none'}"
+        if key == "isRdma":
+            return "an RDMA device", "none"
+        if key == "vdpaType":
+            vdpa = device.vdpa
+            return str(self.vdpa_type), (vdpa.vdpa_type or "an unbound vDPA device") if vdpa else "no vDPA device"
+        values, value = {
+            "vendors": (self.vendors, device.vendor),
+            "devices": (self.devices, device.device),
+            "drivers": (self.drivers, device.driver or "no driver"),
+            "pciAddresses": (self.pci_addresses, device.address),
+            "acpiIndexes": (self.acpi_indexes, device.acpi_index or "none"),
+            "classes": (self.classes, device.class_code),
+            "linkTypes": (self.link_types, device.link_type or "none"),
+        }[key]
+        return wanted(values), value
 
 
 class _CommonFields(TypedDict):

@@ -36,7 +36,9 @@ from daemon.core import (
     DeviceMap,
     DeviceSpec,
     Event,
+    Explanation,
     HandlerContext,
+    Offered,
     PoolEntry,
     ResourcePool,
     Resync,
@@ -46,10 +48,12 @@ from daemon.core import (
 from daemon.handlers._devnodes import DeviceNode, parse_permissions
 
 from ._discovery import UsbDevice, device_name_in, read_usb_device, scan_usb
+from ._explain import explain as explain_usb
+from ._explain import why_empty as why_pool_empty
 from ._selectors import UsbSelector, parse_selector
 
 if TYPE_CHECKING:
-    from daemon.core import Allocator, DeviceDescriber, Handler
+    from daemon.core import Allocator, DeviceDescriber, Explainer, Handler
 
 log = logging.getLogger("devplugd.usb")
 
@@ -178,6 +182,14 @@ class UsbDeviceHandler:
             result[pool.resource] = devices
         return result
 
+    # Explainer: why a USB device is or is not in a pool (devplugd explain).
+    def explain(self, facts: UsbFacts, pools: Sequence[ConfiguredPool[UsbPoolSpec]], device: str,
+                offered: Offered) -> Explanation | None:
+        return explain_usb(facts, pools, device, device_ids(facts), offered)
+
+    def why_empty(self, facts: UsbFacts, pools: Sequence[ConfiguredPool[UsbPoolSpec]], resource: str) -> str:
+        return why_pool_empty(facts, pools, resource)
+
     # Allocator: the nodes present now, and the USBDEVICE_* variables.
     def allocate(self, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:
         spec: UsbPoolSpec = pool.pool_config.spec
@@ -217,3 +229,4 @@ if TYPE_CHECKING:
     _handler: type[Handler[UsbFacts, UsbPoolSpec]] = UsbDeviceHandler
     _allocator: type[Allocator] = UsbDeviceHandler
     _describer: type[DeviceDescriber] = UsbDeviceHandler
+    _explainer: type[Explainer] = UsbDeviceHandler

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from daemon.core import ConfigError, ConfigObject
+from daemon.core import ConfigError, ConfigObject, Mismatch, wanted
 
 from ._discovery import UsbDevice
 
@@ -34,18 +34,25 @@ class UsbSelector:
     drivers: tuple[str, ...] = ()
 
     def matches(self, device: UsbDevice) -> bool:
+        return self.mismatch(device) is None
+
+    def mismatch(self, device: UsbDevice) -> Mismatch | None:
+        """The first key that refuses ``device``, what it wants and what the device has; ``None``:
+        it matches."""
         if self.vendors and device.vendor not in self.vendors:
-            return False
+            return Mismatch("vendors", wanted(self.vendors), device.vendor)
         if self.products and device.product not in self.products:
-            return False
+            return Mismatch("products", wanted(self.products), device.product)
         if self.serials and not (device.serial and any(fnmatchcase(device.serial, s) for s in self.serials)):
-            return False
+            return Mismatch("serials", wanted(self.serials), repr(device.serial) if device.serial else "no serial")
         if self.ports and not any(fnmatchcase(device.port, p) for p in self.ports):
-            return False
-        if self.interface_classes and not any(
-                interface.interface_class in self.interface_classes for interface in device.interfaces):
-            return False
-        return not self.drivers or any(driver in self.drivers for driver in device.drivers)
+            return Mismatch("ports", wanted(self.ports), device.port)
+        classes = [interface.interface_class for interface in device.interfaces]
+        if self.interface_classes and not any(c in self.interface_classes for c in classes):
+            return Mismatch("interfaceClasses", wanted(self.interface_classes), wanted(classes))
+        if self.drivers and not any(driver in self.drivers for driver in device.drivers):
+            return Mismatch("drivers", wanted(self.drivers), wanted(device.drivers) if device.drivers else "no driver")
+        return None
 
 
 def _hex_ids(selector: ConfigObject, key: str, digits: int) -> tuple[str, ...]:

@@ -192,3 +192,49 @@ class ClearLostResponse(_message.Message):
     cleared: bool
     message: str
     def __init__(self, cleared: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("device",)
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    def __init__(self, device: _Optional[str] = ...) -> None: ...
+
+class KnownDevice(_message.Message):
+    __slots__ = ("handler", "device", "description")
+    HANDLER_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    handler: str
+    device: str
+    description: str
+    def __init__(self, handler: _Optional[str] = ..., device: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class PoolVerdict(_message.Message):
+    __slots__ = ("resource", "device_type", "outcome", "reason", "device", "health_reason", "allocation_api")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_API_FIELD_NUMBER: _ClassVar[int]
+    resource: str
+    device_type: str
+    outcome: str
+    reason: str
+    device: Device
+    health_reason: str
+    allocation_api: str
+    def __init__(self, resource: _Optional[str] = ..., device_type: _Optional[str] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., device: _Optional[_Union[Device, _Mapping]] = ..., health_reason: _Optional[str] = ..., allocation_api: _Optional[str] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("device", "known_as", "pools", "summary")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_AS_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    known_as: _containers.RepeatedCompositeFieldContainer[KnownDevice]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolVerdict]
+    summary: str
+    def __init__(self, device: _Optional[str] = ..., known_as: _Optional[_Iterable[_Union[KnownDevice, _Mapping]]] = ..., pools: _Optional[_Iterable[_Union[PoolVerdict, _Mapping]]] = ..., summary: _Optional[str] = ...) -> None: ...

@@ -64,6 +64,11 @@ class HostStub:
                 request_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostRequest.SerializeToString,
                 response_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/devplugd.host.v1.Host/Explain',
+                request_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class HostServicer:
@@ -112,6 +117,13 @@ class HostServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """Why a device is, or is not, in each pool of the running config (devplugd explain).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HostServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +156,11 @@ def add_HostServicer_to_server(servicer, server):
                     servicer.ClearLost,
                     request_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostRequest.FromString,
                     response_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ExplainRequest.FromString,
+                    response_serializer=daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -308,6 +325,33 @@ class Host:
             '/devplugd.host.v1.Host/ClearLost',
             daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostRequest.SerializeToString,
             daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ClearLostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/devplugd.host.v1.Host/Explain',
+            daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ExplainRequest.SerializeToString,
+            daemon_dot___generated_dot_devplugd_dot_host_dot_v1_dot_host__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,166 @@
+"""Why a PCI function is, or is not, in a pool (``devplugd explain``), with the build's own rules:
+``ineligibility`` (device type, a PF with VFs, the default route), each selector's
+``refusing_key``, first pool wins, ``unusable_reason`` and the IOMMU group's viability.
+
+A function is named by its PCI address (``0000:3b:02.1`` or ``3b:02.1``), one of its netdevs, or
+its VFIO group node (``/dev/vfio/12``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import lru_cache
+
+from daemon.core import (
+    LEFT_OUT,
+    REFUSED,
+    TOOK,
+    ConfiguredPool,
+    DeviceInfo,
+    Explanation,
+    Mismatch,
+    Offered,
+    PoolVerdict,
+    first_pool_wins,
+    refused_by_selectors,
+)
+
+from ._ddp import read_ddp_profile
+from ._facts import PciDevice, PciFacts
+from ._groups import blocking_functions, passthrough_group
+from ._pools import PciPoolSpec, ineligibility, unhealthy_reason, unusable_reason
+
+DEFAULT_DOMAIN = "0000:"
+
+
+def find_function(facts: PciFacts, name: str) -> PciDevice | None:
+    """The function ``name`` names: a PCI address (the domain may be left out), a netdev, or a
+    VFIO group node (the group's lowest function)."""
+    wanted = name.strip().lower()
+    for address in (wanted, DEFAULT_DOMAIN + wanted):
+        if address in facts.devices:
+            return facts.devices[address]
+    if wanted.startswith("/dev/vfio/"):
+        group = wanted.rsplit("/", 1)[1].removeprefix("noiommu-")
+        members = sorted(a for a, d in facts.devices.items() if d.iommu_group == group)
+        return facts.devices[members[0]] if members else None
+    return next((d for _, d in sorted(facts.devices.items()) if name.strip() in d.netdevs), None)
+
+
+def describe(device: PciDevice) -> str:
+    """What the handler knows of ``device``, in one line."""
+    parts = [f"PCI function {device.vendor}:{device.device}", f"class {device.class_code}",
+             f"driver {device.driver or 'none'}"]
+    if device.pf_address:
+        parts.append(f"VF {device.vf_index} of {device.pf_netdev or device.pf_address}"
+                     + (f" ({device.pf_address})" if device.pf_netdev else ""))
+    elif device.is_pf:
+        parts.append(f"PF with {device.num_vfs} VFs enabled")
+    if device.netdevs:
+        parts.append(f"netdev {','.join(device.netdevs)}")
+    if device.iommu_group is not None:
+        parts.append(f"{'no-IOMMU ' if device.noiommu else ''}IOMMU group {device.iommu_group}")
+    if device.numa_node is not None:
+        parts.append(f"NUMA node {device.numa_node}")
+    return ", ".join(parts)
+
+
+def _first_admitting(device: PciDevice, spec: PciPoolSpec,
+                     ddp_profile: Callable[[str], str | None]) -> tuple[int, list[Mismatch]]:
+    """The index of the first selector object that admits ``device`` (-1: none), and what
+    refused it in the ones before."""
+    refusals: list[Mismatch] = []
+    for index, selector in enumerate(spec.selectors):
+        mismatch = selector.mismatch(device, ddp_profile)
+        if mismatch is None:
+            return index, refusals
+        refusals.append(mismatch)
+    return -1, refusals
+
+
+def _offered_under(devices: Mapping[str, DeviceInfo], address: str) -> str | None:
+    """The ID under which ``devices`` offer the function ``address``: its own, or its group's."""
+    if address in devices:
+        return address
+    for device_id, info in devices.items():
+        if any(member.device.address == address for member in info.details.members):
+            return device_id
+    return None
+
+
+def _group_problem(facts: PciFacts, device: PciDevice) -> str | None:
+    """Why the function's IOMMU group keeps it from being offered, naming what blocks it."""
+    group = passthrough_group(device)
+    if group is None:
+        return None
+    members = [d for d in facts.devices.values() if d.iommu_group == group]
+    blocking = blocking_functions(members)
+    if len(members) < 2 or not blocking:
+        return None
+    named = ", ".join(f"{d.address} is bound to {d.driver}" for d in sorted(blocking, key=lambda d: d.address))
+    return f"its IOMMU group {group} is not viable: {named} (every function of a group must be on vfio-pci, " \
+        "pci-stub or no driver)"
+
+
+def _placed_verdict(facts: PciFacts, device: PciDevice, pool: ConfiguredPool[PciPoolSpec], selector: int,
+                    offered: Offered) -> PoolVerdict:
+    admits = f"selectors[{selector}] admit it" if len(pool.spec.selectors) > 1 else "its selectors admit it"
+    if (unusable := unusable_reason(device)) is not None:
+        return PoolVerdict(pool.resource, LEFT_OUT, f"{admits}, but {unusable}")
+    if (group := _group_problem(facts, device)) is not None:
+        return PoolVerdict(pool.resource, LEFT_OUT, f"{admits}, but {group}")
+    devices = offered.get(pool.resource, {})
+    device_id = _offered_under(devices, device.address)
+    if device_id is None:
+        return PoolVerdict(pool.resource, LEFT_OUT, f"{admits}, but the pool does not list it yet")
+    info = devices[device_id]
+    functions = [record.device for record in info.details.functions]
+    reasons = [r for f in functions if (r := unhealthy_reason(f, facts.links, pool.spec.check_health_on_pf,
+                                                              facts.recovery))]
+    reason = admits if device_id == device.address else \
+        f"{admits}; offered with its IOMMU group {device.iommu_group} as {device_id}"
+    return PoolVerdict(pool.resource, TOOK, reason, device_id, info.health, "; ".join(reasons))
+
+
+def explain(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], name: str,
+            offered: Offered) -> Explanation | None:
+    device = find_function(facts, name)
+    if device is None:
+        return None
+    ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
+
+    def refusal(pool: ConfiguredPool[PciPoolSpec]) -> PoolVerdict | None:
+        if (why := ineligibility(device, pool.spec.device_type)) is not None:
+            return PoolVerdict(pool.resource, REFUSED, why)
+        selector, refusals = _first_admitting(device, pool.spec, ddp_profile)
+        return refused_by_selectors(pool.resource, refusals) if selector < 0 else None
+
+    def placed(pool: ConfiguredPool[PciPoolSpec]) -> PoolVerdict:
+        return _placed_verdict(facts, device, pool, _first_admitting(device, pool.spec, ddp_profile)[0], offered)
+
+    return Explanation("pci", device.address, describe(device), first_pool_wins(pools, refusal, placed))
+
+
+def why_empty(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], resource: str) -> str:
+    ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
+    admitted, taken_earlier = 0, 0
+    for device in facts.devices.values():
+        for pool in pools:
+            if ineligibility(device, pool.spec.device_type) is not None:
+                continue
+            if _first_admitting(device, pool.spec, ddp_profile)[0] < 0:
+                continue
+            if pool.resource == resource:
+                admitted += 1
+            else:
+                taken_earlier += 1 if any(
+                    p.resource == resource and ineligibility(device, p.spec.device_type) is None
+                    and _first_admitting(device, p.spec, ddp_profile)[0] >= 0 for p in pools) else 0
+            break
+    seen = f"{len(facts.devices)} PCI functions on this host"
+    if admitted == 0 and taken_earlier == 0:
+        return f"no PCI function matches its selectors ({seen}; `devplugd explain ADDRESS` says what refuses one)"
+    if admitted == 0:
+        return f"the {taken_earlier} functions its selectors match were taken by earlier pools ({seen})"
+    return f"the {admitted} functions it admits are left out (their IOMMU group is not viable, or they are " \
+        "not usable through vfio: `devplugd explain ADDRESS` says why)"
