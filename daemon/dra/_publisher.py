@@ -126,6 +126,7 @@ class SlicePublisher:
                 delay = backoff.next_delay()
                 complaints.failed(KubeError(f"node {self._node} is not on the API server ({error})"), delay)
             except KubeError as error:
+                self._metrics.dra_slice_write_failures.labels("error").inc()
                 delay = backoff.next_delay()
                 complaints.failed(error, delay)
             await trio.sleep(delay)
@@ -151,6 +152,7 @@ class SlicePublisher:
                 async with self._view.lock:
                     await self._sync(kube)
             except KubeError as error:
+                self._metrics.dra_slice_write_failures.labels("error").inc()
                 delay = backoff.next_delay()
                 complaints.failed(error, delay)
                 await trio.sleep(delay)
@@ -180,6 +182,7 @@ class SlicePublisher:
                 self._answered[pool] = pool_wanted
                 self._metrics.dra_reaction.labels(pool_wanted.resource).observe(
                     time.monotonic() - pool_wanted.arrival)
+        self._metrics.dra_pools_refused.set(len(self._rejected))
         for pool in sorted(self._view.pools() - wanted.keys()):
             why = "no longer served through DRA" if pool in self._elsewhere else "no longer configured"
             log.info("DRA: deleting the ResourceSlices of pool %s (%s)", pool, why,
@@ -264,6 +267,7 @@ class SlicePublisher:
                       "not tried again until its devices change", pool, generation, len(devices), len(bodies),
                       error, "; ".join(error.causes) or "none given", extra={"EVENT": "dra", "DRA_POOL": pool})
             self._rejected[pool] = devices
+            self._metrics.dra_slice_write_failures.labels("refused").inc()
             return False
         self._written[pool] = _Written(devices, generation, versions)
         log.info("DRA: pool %s generation %d: %d devices in %d slices", pool, generation, len(devices), len(bodies),

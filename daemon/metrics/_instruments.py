@@ -119,6 +119,13 @@ class Metrics:
                                         "operation (create, update, delete).", ("operation",))
         self.dra_slice_conflicts = counter("devplugd_dra_slice_conflicts", "ResourceSlice writes the API server "
                                            "answered 409 Conflict (read again and retried).")
+        self.dra_slice_write_failures = counter(
+            "devplugd_dra_slice_write_failures", "ResourceSlice writes that failed, by reason: refused (the API "
+            "server rejected a pool's slices as invalid; not tried again until its devices change) or error (any "
+            "other failure: unreachable, forbidden, conflicts that did not settle; retried with backoff).",
+            ("reason",))
+        self.dra_pools_refused = gauge("devplugd_dra_pools_refused", "DRA pools whose ResourceSlices the API "
+                                       "server refused as invalid, not published until their devices change.")
         self.dra_slice_syncs = counter("devplugd_dra_slice_syncs", "Rounds of the ResourceSlice publisher that "
                                        "left the API server publishing what the tree says.")
         self.dra_api_connected = gauge("devplugd_dra_api_connected", "1 once the API server answered and this "

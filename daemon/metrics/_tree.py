@@ -40,6 +40,8 @@ def _families() -> dict[str, GaugeMetricFamily]:
     return {
         "devices": pool("devplugd_pool_devices", "Devices in the pool, in any state and whoever holds them."),
         "healthy": pool("devplugd_pool_healthy_devices", "Devices of the pool that are Healthy."),
+        "vanished": pool("devplugd_pool_vanished_devices", "Devices of the pool gone from the host while held "
+                         "(kept listed, Unhealthy, until their holder lets them go)."),
         "kubelet": pool("devplugd_pool_kubelet_allocated_devices",
                         "Devices of the pool the kubelet's checkpoint shows allocated to a pod."),
         "leased": pool("devplugd_pool_host_leased_devices", "Devices of the pool under a host lease."),
@@ -82,6 +84,7 @@ class TreeCollector(Collector):
             labels = [resource]
             families["devices"].add_metric(labels, len(pool.devices))
             families["healthy"].add_metric(labels, pool.healthy_count)
+            families["vanished"].add_metric(labels, len(pool.vanished))
             families["leased"].add_metric(labels, len(pool.leased))
             families["claimed"].add_metric(labels, len(pool.claimed))
             allocated = 0
