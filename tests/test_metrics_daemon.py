@@ -20,16 +20,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.checkpoint import CHECKPOINT_NAME
-from tests.daemonrun import DaemonProcess, control_cli, wait_for_control
+from tests.daemonrun import REPO_ROOT, DaemonProcess, control_cli, wait_for_control
 from tests.seam import PF, create_vfs
 from tests.waiting import wait_until
 
 CONFIG = {"resourceList": [{"resourceName": "dpdk", "selectors": {"drivers": ["vfio-pci"]}}]}
 DPDK = "intel.com/dpdk"
-# the README's reaction-time p99
-P99 = "histogram_quantile(0.99, sum by (le) (rate(devplugd_event_to_listandwatch_seconds_bucket[5m])))"
-# and its "which pod holds which VF"
-HOLDERS = "devplugd_device_allocation_info * on (resource, device) group_left (pci_address) devplugd_device_info"
+# the queries of docs/metrics.md (its promql blocks, one a line): the reaction-time p99s, and
+# "which pod holds which VF"
+DOC_QUERIES = [line for block in re.findall(r"```promql\n(.*?)```", (REPO_ROOT / "docs/metrics.md").read_text(), re.S)
+               for line in block.splitlines() if line.strip()]
+HOLDERS = next(query for query in DOC_QUERIES if query.startswith("devplugd_device_allocation_info"))
 
 
 def metrics_url(daemon: DaemonProcess) -> str:
@@ -234,7 +235,9 @@ def test_a_real_prometheus_scrapes_the_daemon_and_sees_a_hotplug(host, kubelet, 
                interval=0.2)
     assert query_value(base, 'up{job="devplugd"}') == 1
     assert query_value(base, "python_info") == 1  # the standard collectors came along
-    api(base, "/api/v1/query", query=P99)  # the README's queries are valid PromQL over our series
+    assert len(DOC_QUERIES) >= 3, DOC_QUERIES
+    for query in DOC_QUERIES:  # the docs' queries are valid PromQL over our series
+        api(base, "/api/v1/query", query=query)
     (holder,) = api(base, "/api/v1/query", query=HOLDERS)["result"]
     assert holder["metric"]["pci_address"] == held and holder["metric"]["pod_uid"] == "uid-9"
     assert daemon.stop() == 0

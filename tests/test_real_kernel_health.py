@@ -3,8 +3,8 @@
 One boot of a QEMU guest (TCG) with an SR-IOV NVMe PF and 2 VFs on vfio-pci (rp0) and a
 3-function multifunction NVMe (rp1, one IOMMU group), both on default-speed root ports, with
 QEMU's monitor; tests/guest/scenario_health.py runs devplugd (``--uevent-source kernel``) and the
-kubelet stand-in there and records every step. What must hold (README "IOMMU groups" and
-"Events/Health"; shared/docs/real-kernel-devices.md sections 1 and 2):
+kubelet stand-in there and records every step. What must hold (docs/configuration.md "IOMMU
+groups", docs/events.md "PCIe error recovery"; shared/docs/real-kernel-devices.md sections 1 and 2):
 
 - the group is one device, named by its lowest address; Allocate gives ``/dev/vfio/vfio`` and
   the one group node, and the env lists all 3 functions; with one function on nvme the group is
@@ -101,7 +101,7 @@ def test_a_shared_group_is_one_device_and_pcie_errors_reach_the_kubelet(
         assert env["PCIDEVICE_DEVPLUGD_TEST_MF"].split(",") == mf, env
         assert env["PCI_RESOURCE_" + resource.upper().replace("/", "_").replace(".", "_")].split(",") == mf, env
         info = json.loads(env["PCIDEVICE_DEVPLUGD_TEST_MF_INFO"])
-        assert sorted(info) == mf, info  # README: every function in PCIDEVICE_* and _INFO
+        assert sorted(info) == mf, info  # docs/configuration.md: every function in PCIDEVICE_* and _INFO
         assert all(entry["vfio"]["dev-mount"] == f"/dev/vfio/{group}" for entry in info.values()), info
     assert moved["drivers"][mf[1]] == "nvme" and moved["seen"]["mf"] == {}, moved
     assert back["drivers"][mf[1]] == "vfio-pci" and back["seen"]["mf"] == {mf[0]: "Healthy"}, back

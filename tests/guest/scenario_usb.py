@@ -2,7 +2,7 @@
 and a udev-selected devNode pool against real USB hotplug and a real systemd-udevd.
 
 The guest has an empty qemu-xhci (``run_in_guest(usb=True)``), a real udevd and QEMU's monitor.
-The daemon runs with ``--uevent-source udev`` and four pools (the README's usbDevice and
+The daemon runs with ``--uevent-source udev`` and four pools (docs/configuration.md's usbDevice and
 ``selectors.udev`` examples): ``usb_kbd`` (vendor 0627), ``usb_serial`` (0403:6001),
 ``usb_disk`` (driver usb-storage), ``ftdi_tty`` (tty nodes whose udev properties say FTDI with
 serial FTDI0042, mounted at their ``/dev/serial/by-id`` link) and ``port4_tty`` (the tty whose
