@@ -123,6 +123,14 @@ def test_a_lease_from_a_pool_with_no_devices_says_the_host_has_none(explained_ho
     assert refused.returncode == 1
     assert refused.stderr.strip() == ("devplugd: devplugd.io/kvm has no devices on this host: this host has no "
                                       "device node its paths name (/dev/kvm) (1 requested)")
+    # list shows the empty pool with the same reason, where it showed nothing
+    listed = cli(short_tmp, "list")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = [line for line in listed.stdout.splitlines() if line.startswith("devplugd.io/kvm")]
+    assert row.endswith("no devices: this host has no device node its paths name (/dev/kvm)")
+    pools = {pool["resource"]: pool for pool in json.loads(cli(short_tmp, "list", "-o", "json").stdout)}
+    assert pools["devplugd.io/kvm"]["no_devices"] == "this host has no device node its paths name (/dev/kvm)"
+    assert "no_devices" not in pools["intel.com/vf_dpdk"]
 
 
 def test_explain_without_a_daemon_answers_from_the_config_and_a_scan(explained_host, short_tmp):

@@ -68,9 +68,14 @@ class HostServicer(host_grpc.HostServicer):
         holder = self._holdings.holder
         return host.ListResponse(version=tree.version, lost_books=[str(b) for b in self._holdings.lost_books()], pools=[
             host.Pool(resource=resource, allocation_api=pool.road,
-                      devices=[device_message(pool, i, holder(pool, i)) for i in sorted(pool.devices)])
+                      devices=[device_message(pool, i, holder(pool, i)) for i in sorted(pool.devices)],
+                      no_devices="" if pool.devices else self._why_empty(resource))
             for resource, pool in sorted(tree.pools.items())
         ])
+
+    def _why_empty(self, resource: str) -> str:
+        why = self._explaining.why_empty(resource) if self._explaining is not None else None
+        return why or "no device matches its selectors"
 
     async def List(
         self, request: host.ListRequest, context: grpc.aio.ServicerContext[host.ListRequest, host.ListResponse]

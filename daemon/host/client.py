@@ -67,13 +67,16 @@ def command_list(control_socket: Path, output: str) -> int:
         response = stub.List(host.ListRequest(), timeout=TIMEOUT)
     _tell_lost(list(response.lost_books))
     pools = [{"resource": p.resource, "allocation_api": p.allocation_api or "devicePlugin",
-              "devices": [_device_json(d) for d in p.devices]} for p in response.pools]
+              "devices": [_device_json(d) for d in p.devices], **({"no_devices": p.no_devices} if p.no_devices else {})}
+             for p in response.pools]
     if output == "json":
         print(json.dumps(pools, indent=1))
         return EXIT_OK
     rows = [[p["resource"], p["allocation_api"], d["id"], d["health"], ",".join(map(str, d["numa_nodes"])) or "-",
              d["holder"] + (f" {d.get('lease', '')} {d.get('owner', '')}".rstrip() if d["holder"] != "free" else "")]
             for p in pools for d in p["devices"]]
+    rows += [[p["resource"], p["allocation_api"], "-", "-", "-", f"no devices: {p['no_devices']}"]
+             for p in pools if not p["devices"] and "no_devices" in p]
     _print_table(rows, ["RESOURCE", "API", "DEVICE", "HEALTH", "NUMA", "HOLDER"])
     return EXIT_OK
 

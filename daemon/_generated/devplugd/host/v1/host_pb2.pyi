@@ -24,14 +24,16 @@ class Device(_message.Message):
     def __init__(self, id: _Optional[str] = ..., health: _Optional[str] = ..., numa_nodes: _Optional[_Iterable[int]] = ..., holder: _Optional[str] = ..., lease: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class Pool(_message.Message):
-    __slots__ = ("resource", "devices", "allocation_api")
+    __slots__ = ("resource", "devices", "allocation_api", "no_devices")
     RESOURCE_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_API_FIELD_NUMBER: _ClassVar[int]
+    NO_DEVICES_FIELD_NUMBER: _ClassVar[int]
     resource: str
     devices: _containers.RepeatedCompositeFieldContainer[Device]
     allocation_api: str
-    def __init__(self, resource: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., allocation_api: _Optional[str] = ...) -> None: ...
+    no_devices: str
+    def __init__(self, resource: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ..., allocation_api: _Optional[str] = ..., no_devices: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()
