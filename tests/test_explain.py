@@ -131,6 +131,9 @@ def test_a_lease_from_a_pool_with_no_devices_says_the_host_has_none(explained_ho
     pools = {pool["resource"]: pool for pool in json.loads(cli(short_tmp, "list", "-o", "json").stdout)}
     assert pools["devplugd.io/kvm"]["no_devices"] == "this host has no device node its paths name (/dev/kvm)"
     assert "no_devices" not in pools["intel.com/vf_dpdk"]
+    # a PCI pool whose functions earlier pools took
+    assert pools["intel.com/vf_any"]["no_devices"] == ("the 3 functions its selectors match were taken by earlier "
+                                                       "pools (7 PCI functions on this host)")
 
 
 def test_explain_without_a_daemon_answers_from_the_config_and_a_scan(explained_host, short_tmp):

@@ -87,12 +87,16 @@ class Explainer(Protocol):
         host, in a sentence."""
 
 
-def refused_by_selectors(resource: str, mismatches: Sequence[Mismatch]) -> PoolVerdict:
-    """The verdict of a pool whose every selector object refused the device: the first key that
-    refused it in each (numbered when there are several objects)."""
-    if len(mismatches) == 1:
-        return PoolVerdict(resource, REFUSED, str(mismatches[0]))
-    return PoolVerdict(resource, REFUSED, "; ".join(f"selectors[{i}]: {m}" for i, m in enumerate(mismatches)))
+def refused_by_selectors(resource: str, mismatches: Sequence[Mismatch | None]) -> PoolVerdict | None:
+    """The verdict of a pool by what each of its selector objects says of the device (``None``:
+    admits it): ``None`` when one admits it, else a refusal naming the first key that refused it
+    in each (numbered when there are several objects)."""
+    refusals = [m for m in mismatches if m is not None]
+    if len(refusals) < len(mismatches):
+        return None
+    if len(refusals) == 1:
+        return PoolVerdict(resource, REFUSED, str(refusals[0]))
+    return PoolVerdict(resource, REFUSED, "; ".join(f"selectors[{i}]: {m}" for i, m in enumerate(refusals)))
 
 
 PoolT = TypeVar("PoolT", bound=ConfiguredPool[Any])

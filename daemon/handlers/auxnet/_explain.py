@@ -60,8 +60,7 @@ def explain(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]], name:
     def refusal(pool: ConfiguredPool[AuxPoolSpec]) -> PoolVerdict | None:
         if pf is None:
             return PoolVerdict(pool.resource, LEFT_OUT, f"its PF {sf.pf_address} is not known")
-        refusals = [selector.mismatch(sf, pf) for selector in pool.spec.selectors]
-        return refused_by_selectors(pool.resource, [r for r in refusals if r is not None]) if all(refusals) else None
+        return refused_by_selectors(pool.resource, [selector.mismatch(sf, pf) for selector in pool.spec.selectors])
 
     def placed(pool: ConfiguredPool[AuxPoolSpec]) -> PoolVerdict:
         if (unoffered := _unoffered(facts, sf)) is not None:

@@ -76,8 +76,7 @@ def explain(facts: Facts, pools: Sequence[ConfiguredPool[DevNodePoolSpec]], name
     record = facts.get(relative)
 
     def refusal(pool: ConfiguredPool[DevNodePoolSpec]) -> PoolVerdict | None:
-        refusals = [_refusal(selector, relative, record) for selector in pool.spec.selectors]
-        return refused_by_selectors(pool.resource, [r for r in refusals if r is not None]) if all(refusals) else None
+        return refused_by_selectors(pool.resource, [_refusal(s, relative, record) for s in pool.spec.selectors])
 
     def placed(pool: ConfiguredPool[DevNodePoolSpec]) -> PoolVerdict:
         if record is None:

@@ -65,17 +65,10 @@ def describe(device: PciDevice) -> str:
     return ", ".join(parts)
 
 
-def _first_admitting(device: PciDevice, spec: PciPoolSpec,
-                     ddp_profile: Callable[[str], str | None]) -> tuple[int, list[Mismatch]]:
-    """The index of the first selector object that admits ``device`` (-1: none), and what
-    refused it in the ones before."""
-    refusals: list[Mismatch] = []
-    for index, selector in enumerate(spec.selectors):
-        mismatch = selector.mismatch(device, ddp_profile)
-        if mismatch is None:
-            return index, refusals
-        refusals.append(mismatch)
-    return -1, refusals
+def _mismatches(device: PciDevice, spec: PciPoolSpec,
+                ddp_profile: Callable[[str], str | None]) -> list[Mismatch | None]:
+    """What each selector object of the pool says of ``device`` (``None``: it admits it)."""
+    return [selector.mismatch(device, ddp_profile) for selector in spec.selectors]
 
 
 def _offered_under(devices: Mapping[str, DeviceInfo], address: str) -> str | None:
@@ -132,31 +125,27 @@ def explain(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], name:
     def refusal(pool: ConfiguredPool[PciPoolSpec]) -> PoolVerdict | None:
         if (why := ineligibility(device, pool.spec.device_type)) is not None:
             return PoolVerdict(pool.resource, REFUSED, why)
-        selector, refusals = _first_admitting(device, pool.spec, ddp_profile)
-        return refused_by_selectors(pool.resource, refusals) if selector < 0 else None
+        return refused_by_selectors(pool.resource, _mismatches(device, pool.spec, ddp_profile))
 
     def placed(pool: ConfiguredPool[PciPoolSpec]) -> PoolVerdict:
-        return _placed_verdict(facts, device, pool, _first_admitting(device, pool.spec, ddp_profile)[0], offered)
+        return _placed_verdict(facts, device, pool, _mismatches(device, pool.spec, ddp_profile).index(None), offered)
 
     return Explanation("pci", device.address, describe(device), first_pool_wins(pools, refusal, placed))
 
 
+def _admits(device: PciDevice, pool: ConfiguredPool[PciPoolSpec], ddp_profile: Callable[[str], str | None]) -> bool:
+    return ineligibility(device, pool.spec.device_type) is None and None in _mismatches(device, pool.spec, ddp_profile)
+
+
 def why_empty(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], resource: str) -> str:
     ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
-    admitted, taken_earlier = 0, 0
+    target = next(pool for pool in pools if pool.resource == resource)
+    admitted = taken_earlier = 0
     for device in facts.devices.values():
-        for pool in pools:
-            if ineligibility(device, pool.spec.device_type) is not None:
-                continue
-            if _first_admitting(device, pool.spec, ddp_profile)[0] < 0:
-                continue
-            if pool.resource == resource:
-                admitted += 1
-            else:
-                taken_earlier += 1 if any(
-                    p.resource == resource and ineligibility(device, p.spec.device_type) is None
-                    and _first_admitting(device, p.spec, ddp_profile)[0] >= 0 for p in pools) else 0
-            break
+        if _admits(device, target, ddp_profile):
+            first = next(pool for pool in pools if _admits(device, pool, ddp_profile))
+            admitted, taken_earlier = (admitted + 1, taken_earlier) if first is target else \
+                (admitted, taken_earlier + 1)
     seen = f"{len(facts.devices)} PCI functions on this host"
     if admitted == 0 and taken_earlier == 0:
         return f"no PCI function matches its selectors ({seen}; `devplugd explain ADDRESS` says what refuses one)"

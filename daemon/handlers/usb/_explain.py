@@ -60,8 +60,7 @@ def explain(facts: UsbFacts, pools: Sequence[ConfiguredPool[UsbPoolSpec]], name:
     device_id = ids[device.name]
 
     def refusal(pool: ConfiguredPool[UsbPoolSpec]) -> PoolVerdict | None:
-        refusals = [selector.mismatch(device) for selector in pool.spec.selectors]
-        return refused_by_selectors(pool.resource, [r for r in refusals if r is not None]) if all(refusals) else None
+        return refused_by_selectors(pool.resource, [selector.mismatch(device) for selector in pool.spec.selectors])
 
     def placed(pool: ConfiguredPool[UsbPoolSpec]) -> PoolVerdict:
         info = offered.get(pool.resource, {}).get(device_id)
