@@ -8,19 +8,12 @@ import pytest
 import trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
-from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, DeviceSpec, ResourcePool, default_allocation
+from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, DeviceSpec, default_allocation
 from daemon.core._notifier import Notifier, TreeMailbox
 from daemon.core._tree import DeviceTree, ResourceDiff
 from daemon.deviceplugin import ListingMessages, device_message
 from daemon.supervise import Backoff, keep_running
-
-
-def pool(resource: str, devices: dict[str, DeviceInfo]) -> ResourcePool:
-    return ResourcePool(resource, "test", None, MappingProxyType(devices))
-
-
-def tree(version: int, *pools: ResourcePool) -> DeviceTree:
-    return DeviceTree.build(version, pools)
+from tests.trees import pool, tree
 
 
 class Recorder:
@@ -39,7 +32,7 @@ class Failing:
 
 
 def test_tree_is_read_only():
-    snapshot = tree(1, pool("a/x", {"d1": DeviceInfo()}))
+    snapshot = tree(pool("a/x", {"d1": DeviceInfo()}), version=1)
     with pytest.raises(TypeError):
         snapshot.pools["a/y"] = pool("a/y", {})  # type: ignore[index]
     with pytest.raises(TypeError):
@@ -59,20 +52,20 @@ def test_diff_names_added_removed_and_changed_devices():
 
 
 def test_changed_listings_ignore_changes_the_kubelet_cannot_see():
-    old = tree(1, pool("a/x", {"d1": DeviceInfo()}), pool("a/y", {"d1": DeviceInfo()}))
-    new = tree(2, pool("a/x", {"d1": DeviceInfo(specs=(DeviceSpec("/dev/x", "/dev/x"),))}),
-               pool("a/y", {"d1": DeviceInfo(health=UNHEALTHY)}), pool("a/z", {}))
+    old = tree(pool("a/x", {"d1": DeviceInfo()}), pool("a/y", {"d1": DeviceInfo()}), version=1)
+    new = tree(pool("a/x", {"d1": DeviceInfo(specs=(DeviceSpec("/dev/x", "/dev/x"),))}),
+               pool("a/y", {"d1": DeviceInfo(health=UNHEALTHY)}), pool("a/z", {}), version=2)
     assert new.diff(old).listings_changed == {"a/y", "a/z"}
     assert new.diff(old).changed == {"a/x", "a/y", "a/z"}
 
 
 def test_diff_sees_a_device_leased_or_released_as_changed():
-    devices = MappingProxyType({"d1": DeviceInfo(), "d2": DeviceInfo()})
-    old = tree(1, ResourcePool("a/x", "test", None, devices))
-    new = tree(2, ResourcePool("a/x", "test", None, devices, frozenset({"d2"})))
+    devices = {"d1": DeviceInfo(), "d2": DeviceInfo()}
+    old = tree(pool("a/x", devices), version=1)
+    new = tree(pool("a/x", devices, leased={"d2"}), version=2)
     assert new.diff(old).resources["a/x"].changed == {"d2"}
     assert new.diff(old).listings_changed == {"a/x"}  # the kubelet no longer sees d2
-    assert not tree(3, *new.pools.values()).diff(new).resources  # the same pools: nothing to look at
+    assert not tree(*new.pools.values(), version=3).diff(new).resources  # the same pools: nothing to look at
 
 
 def test_notifier_offers_every_tree_to_every_consumer_in_order():
@@ -80,7 +73,7 @@ def test_notifier_offers_every_tree_to_every_consumer_in_order():
     first, second = Recorder(), Recorder()
     assert notifier.subscribe(first) is notifier.tree
     notifier.subscribe(second)
-    trees = [tree(1, pool("a/x", {"d1": DeviceInfo()})), tree(2, pool("a/x", {}))]
+    trees = [tree(pool("a/x", {"d1": DeviceInfo()}), version=1), tree(pool("a/x", {}), version=2)]
     for published in trees:
         notifier.publish(published)
     assert first.trees == trees and second.trees == trees
@@ -92,9 +85,9 @@ def test_a_failing_consumer_does_not_keep_the_tree_from_the_others(caplog):
     recorder = Recorder()
     notifier.subscribe(Failing())
     notifier.subscribe(recorder)
-    published = tree(1, pool("a/x", {"d1": DeviceInfo()}))
+    published = tree(pool("a/x", {"d1": DeviceInfo()}), version=1)
     notifier.publish(published)
-    notifier.publish(tree(2, *published.pools.values()))
+    notifier.publish(tree(*published.pools.values(), version=2))
     assert [t.version for t in recorder.trees] == [1, 2]
     assert "a consumer of the device tree failed on version 1" in caplog.text
 
@@ -106,7 +99,7 @@ def test_unsubscribed_consumers_hear_nothing_more():
     notifier.unsubscribe(watcher)
     still = Recorder()
     notifier.subscribe(still)
-    notifier.publish(tree(1, pool("a/x", {"d1": DeviceInfo()})))
+    notifier.publish(tree(pool("a/x", {"d1": DeviceInfo()}), version=1))
     assert watcher.trees == [] and [t.version for t in still.trees] == [1]
 
 
@@ -114,7 +107,7 @@ def test_a_mailbox_without_a_scope_conflates_a_slow_reader_to_the_newest():
     wakeups: list[int] = []
     mailbox = TreeMailbox(lambda: wakeups.append(1))
     for version in range(100):
-        mailbox.offer(tree(version, pool("a/x", {"d1": DeviceInfo(health=UNHEALTHY if version % 2 else HEALTHY)})))
+        mailbox.offer(tree(pool("a/x", {"d1": DeviceInfo(health=UNHEALTHY if version % 2 else HEALTHY)}), version=version))
     taken = mailbox.take()
     assert taken is not None and taken[0].version == 99
     assert mailbox.take() is None

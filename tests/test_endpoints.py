@@ -3,10 +3,9 @@ registered with the kubelet stand-in, fed trees by the notifier as the event loo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import MappingProxyType
 from typing import ClassVar
 
 import grpc
@@ -16,26 +15,17 @@ import trio_asyncio
 
 from daemon.core import ContainerAllocation, DeviceInfo, DeviceSpec, ResourcePool
 from daemon.core._notifier import Notifier
-from daemon.core._tree import DeviceTree
 from daemon.deviceplugin import Endpoints
 from daemon.settings import Settings
 from tests.kubelet import FakeKubelet
+from tests.trees import pool, tree
+from tests.waiting import wait_until_async
 
 
 class NamedHandler:
     """The endpoints need a handler only for its options; this one offers nothing optional."""
 
     name: ClassVar[str] = "test"
-
-
-def pool(resource: str, devices: dict[str, DeviceInfo]) -> ResourcePool:
-    return ResourcePool(resource, "test", None, MappingProxyType(devices))
-
-
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.01)
 
 
 @asynccontextmanager
@@ -62,17 +52,17 @@ def device_ids(kubelet: FakeKubelet, resource: str) -> list[set[str]]:
 async def test_only_resources_whose_list_changed_get_a_listandwatch_message(short_tmp):
     async with endpoints_for(short_tmp / "dp", NamedHandler()) as (notifier, kubelet):
         x, y = "example.com/x", "example.com/y"
-        first = DeviceTree.build(1, [pool(x, {"d1": DeviceInfo()}), pool(y, {"d1": DeviceInfo()})])
+        first = tree(pool(x, ["d1"]), pool(y, ["d1"]))
         notifier.publish(first)
-        await wait_until(lambda: device_ids(kubelet, x) == [{"d1"}] and device_ids(kubelet, y) == [{"d1"}],
-                         "both resources registered with their first list")
-        second = DeviceTree.build(2, [pool(x, {"d1": DeviceInfo(), "d2": DeviceInfo()}), first.pools[y]])
+        await wait_until_async(lambda: device_ids(kubelet, x) == [{"d1"}] and device_ids(kubelet, y) == [{"d1"}],
+                               what="both resources registered with their first list")
+        second = tree(pool(x, ["d1", "d2"]), first.pools[y])
         notifier.publish(second)
         # y's device changes in a way the kubelet cannot see (its specs): no message for y
         invisible = pool(y, {"d1": DeviceInfo(specs=(DeviceSpec("/dev/y", "/dev/y"),))})
-        notifier.publish(DeviceTree.build(3, [second.pools[x], invisible]))
-        notifier.publish(DeviceTree.build(4, [second.pools[x], pool(y, {"d1": DeviceInfo(), "d2": DeviceInfo()})]))
-        await wait_until(lambda: len(device_ids(kubelet, y)) >= 2, "y's second list")
+        notifier.publish(tree(second.pools[x], invisible))
+        notifier.publish(tree(second.pools[x], pool(y, ["d1", "d2"])))
+        await wait_until_async(lambda: len(device_ids(kubelet, y)) >= 2, what="y's second list")
         assert device_ids(kubelet, y) == [{"d1"}, {"d1", "d2"}]
         assert device_ids(kubelet, x) == [{"d1"}, {"d1", "d2"}]
 
@@ -97,8 +87,8 @@ class BrokenPostAllocator:
 async def test_an_allocation_hook_that_raises_refuses_that_request_and_the_resource_stays_served(short_tmp, caplog):
     async with endpoints_for(short_tmp / "dp", BrokenPostAllocator()) as (notifier, kubelet):
         x = "example.com/x"
-        notifier.publish(DeviceTree.build(1, [pool(x, {"d1": DeviceInfo()})]))
-        await wait_until(lambda: device_ids(kubelet, x) == [{"d1"}], "x registered")
+        notifier.publish(tree(pool(x, ["d1"])))
+        await wait_until_async(lambda: device_ids(kubelet, x) == [{"d1"}], what="x registered")
         with pytest.raises(grpc.RpcError) as refused:
             await trio.to_thread.run_sync(kubelet.allocate, x, ["d1"])
         assert refused.value.code() == grpc.StatusCode.INTERNAL
