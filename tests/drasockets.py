@@ -73,16 +73,28 @@ class RecordingPlugin(dra_v1_grpc.DRAPluginServicer):
         return response
 
 
+class LookingSockets(DraSockets):
+    """DraSockets that count their looks at what is missing (``looks``): a look that has come
+    after a removal event proves the event was acted on, whatever it did."""
+
+    looks = 0
+
+    async def _serve_what_is_missing(self) -> None:
+        await super()._serve_what_is_missing()
+        self.looks += 1
+
+
 @dataclass
 class DraRig:
     settings: Settings
-    sockets: DraSockets
+    sockets: LookingSockets
     kubelet: FakeKubelet
     notifier: Notifier
     plugin: RecordingPlugin
     health: HealthServicer
     metrics: Metrics
     run_ended: list[str] = field(default_factory=list)
+    removals: list[str] = field(default_factory=list)  # paths of the removal events forwarded, in order
 
     def health_streams(self) -> int:
         """The open health streams, subscribed to the notifier, as the daemon's metric counts them."""
@@ -94,20 +106,13 @@ class DraRig:
         return await trio.to_thread.run_sync(functools.partial(function, *arguments, **keywords))
 
 
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0,
-                     state: Callable[[], object] | None = None) -> None:
-    """Wait for ``condition``; past ``timeout`` fail naming ``what`` (and ``state()``, if given)."""
-    with trio.move_on_after(timeout):
-        while not condition():
-            await trio.sleep(0.005)
-    assert condition(), f"{what}: not within {timeout} s" + (f" ({state()})" if state is not None else "")
-
-
-async def _forward_removals(receive: trio.MemoryReceiveChannel[Event], sockets: DraSockets) -> None:
-    """What the integrator wires: the inotify source's PluginSocketRemoved to ``socket_removed``."""
+async def _forward_removals(receive: trio.MemoryReceiveChannel[Event], rig: DraRig) -> None:
+    """What the integrator wires: the inotify source's PluginSocketRemoved to ``socket_removed``
+    (each path kept in ``rig.removals`` once forwarded)."""
     async for event in receive:
         if isinstance(event, PluginSocketRemoved):
-            sockets.socket_removed(event.path)
+            rig.sockets.socket_removed(event.path)
+            rig.removals.append(event.path)
 
 
 def dra_settings(directory: Path) -> Settings:
@@ -139,13 +144,13 @@ async def serving_dra(
             plugin = RecordingPlugin()
             metrics = Metrics()
             health = HealthServicer(notifier, NODE, resend_interval=resend_interval, metrics=metrics)
-            sockets = DraSockets(settings, plugin, health)
+            sockets = LookingSockets(settings, plugin, health)
             rig = DraRig(settings, sockets, kubelet, notifier, plugin, health, metrics)
             if with_inotify:
                 inotify = InotifySource([settings.plugins_registry_dir, settings.dra_socket.parent], None, None)
                 send, receive = trio.open_memory_channel[Event](100)
                 nursery.start_soon(inotify.run, send)
-                nursery.start_soon(_forward_removals, receive, sockets)
+                nursery.start_soon(_forward_removals, receive, rig)
 
             async def run_sockets(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                 try:

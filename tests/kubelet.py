@@ -338,6 +338,14 @@ class FakeKubelet:
             return self.dra_state(registration.driver)
         return self._call(open_stream())
 
+    def watching_health(self, driver: str | None = None) -> bool:
+        """Whether the stand-in has a NodeWatchResources stream on ``driver``'s plugin, open or
+        opening (decided when the plugin registered: at once with ``dra_health_gate``)."""
+        async def look() -> bool:
+            task = self._dra_plugin(driver).health_task
+            return task is not None and not task.done()
+        return bool(self._call(look()))
+
     def dra_health(self, driver: str | None = None) -> dict[tuple[str, str], tuple[str, str]]:
         """The kubelet's health cache for ``driver``: (pool, device) -> (health, message), a
         device Unknown once its last report is older than its timeout."""

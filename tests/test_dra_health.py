@@ -4,25 +4,26 @@ never in it, and an unchanged list is repeated before the kubelet would take it 
 
 from __future__ import annotations
 
+import functools
 import time
-from types import MappingProxyType
 from typing import Any
 
 import trio
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
-from daemon.core import UNHEALTHY, DeviceInfo, DeviceSpec, ResourcePool
+from daemon.core import UNHEALTHY, DeviceInfo, DeviceSpec
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
 from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, health_report
-from tests.drasockets import DRIVER, NODE, DraRig, serving_dra, wait_until
+from tests.drasockets import DRIVER, NODE, DraRig, serving_dra
+from tests.trees import pool, tree
+from tests.waiting import wait_until_async
 
 X, Y, PLUGIN_POOL, WITHHELD = "example.com/x", "example.com/y", "example.com/plugin", "example.com/withheld"
 PCI = "0000:3b:02.1"
 
 
-def pool(resource: str, devices: dict[str, DeviceInfo], road: str = DRA_ROAD, **holds: Any) -> ResourcePool:
-    return ResourcePool(resource, "test", None, MappingProxyType(devices), road=road, **holds)
+dra_pool = functools.partial(pool, road=DRA_ROAD)
 
 
 def key(resource: str, device_id: str) -> tuple[str, str]:
@@ -30,15 +31,14 @@ def key(resource: str, device_id: str) -> tuple[str, str]:
 
 
 def first_tree() -> DeviceTree:
-    return DeviceTree.build(1, [
+    return tree(
         # held devices stay out of the slices but still report their health
-        pool(X, {"d1": DeviceInfo(), PCI: DeviceInfo(), "leased": DeviceInfo(), "claimed": DeviceInfo(),
-                 "held": DeviceInfo()},
-             leased=frozenset({"leased"}), claimed=frozenset({"claimed"}), kubelet_held=frozenset({"held"})),
-        pool(Y, {"kvm-3": DeviceInfo(health=UNHEALTHY)}),
-        pool(PLUGIN_POOL, {"p1": DeviceInfo()}, road=DEVICE_PLUGIN_ROAD),
-        pool(WITHHELD, {"w1": DeviceInfo()}, road=WITHHELD_ROAD),
-    ])
+        dra_pool(X, ["d1", PCI, "leased", "claimed", "held"],
+                 leased={"leased"}, claimed={"claimed"}, kubelet_held={"held"}),
+        dra_pool(Y, ["kvm-3"], unhealthy=["kvm-3"]),
+        pool(PLUGIN_POOL, ["p1"], road=DEVICE_PLUGIN_ROAD),
+        pool(WITHHELD, ["w1"], road=WITHHELD_ROAD),
+        version=1)
 
 
 EVERY_DRA_DEVICE = {
@@ -48,8 +48,8 @@ EVERY_DRA_DEVICE = {
 
 
 async def messages(rig: DraRig, count: int, timeout: float = 5.0) -> list[dict[tuple[str, str], Any]]:
-    await wait_until(lambda: len(rig.kubelet.dra_state(DRIVER).health_messages) >= count,
-                     f"{count} health messages", timeout)
+    await wait_until_async(lambda: len(rig.kubelet.dra_state(DRIVER).health_messages) >= count, timeout,
+                           f"{count} health messages")
     return rig.kubelet.dra_state(DRIVER).health_messages
 
 
@@ -73,13 +73,13 @@ async def test_the_first_message_lists_every_device_of_every_dra_pool_and_nothin
 
 
 async def test_a_device_turning_unhealthy_sends_the_full_list_again(short_tmp):
-    tree = first_tree()
-    async with serving_dra(short_tmp, tree=tree) as rig:
+    first = first_tree()
+    async with serving_dra(short_tmp, tree=first) as rig:
         await messages(rig, 1)
-        x = tree.pools[X]
-        sick = pool(X, {**x.devices, "d1": DeviceInfo(health=UNHEALTHY)},
-                    leased=x.leased, claimed=x.claimed, kubelet_held=x.kubelet_held)
-        rig.notifier.publish(DeviceTree.build(2, [sick, *(p for r, p in tree.pools.items() if r != X)]))
+        x = first.pools[X]
+        sick = dra_pool(X, x.devices, unhealthy=["d1"], leased=x.leased, claimed=x.claimed,
+                        kubelet_held=x.kubelet_held)
+        rig.notifier.publish(tree(sick, *(p for r, p in first.pools.items() if r != X), version=2))
         second = (await messages(rig, 2))[1]
         assert {k: record.health for k, record in second.items()} == {
             **{k: health for k, (health, _) in EVERY_DRA_DEVICE.items()}, key(X, "d1"): "Unhealthy"}
@@ -87,50 +87,50 @@ async def test_a_device_turning_unhealthy_sends_the_full_list_again(short_tmp):
 
 
 async def test_trees_that_change_no_dra_health_send_nothing(short_tmp):
-    tree = first_tree()
-    async with serving_dra(short_tmp, tree=tree) as rig:
+    first = first_tree()
+    async with serving_dra(short_tmp, tree=first) as rig:
         await messages(rig, 1)
-        others = {r: p for r, p in tree.pools.items()}
+        others = dict(first.pools)
         # the device-plugin pool loses its device; a DRA device changes what health does not show
-        others[PLUGIN_POOL] = pool(PLUGIN_POOL, {}, road=DEVICE_PLUGIN_ROAD)
-        rig.notifier.publish(DeviceTree.build(2, list(others.values())))
-        others[Y] = pool(Y, {"kvm-3": DeviceInfo(health=UNHEALTHY, specs=(DeviceSpec("/dev/kvm", "/dev/kvm"),))})
-        rig.notifier.publish(DeviceTree.build(3, list(others.values())))
-        others[Y] = pool(Y, {"kvm-3": DeviceInfo()})  # and now its health changes
-        rig.notifier.publish(DeviceTree.build(4, list(others.values())))
+        others[PLUGIN_POOL] = pool(PLUGIN_POOL, [], road=DEVICE_PLUGIN_ROAD)
+        rig.notifier.publish(tree(*others.values(), version=2))
+        others[Y] = dra_pool(Y, {"kvm-3": DeviceInfo(health=UNHEALTHY, specs=(DeviceSpec("/dev/kvm", "/dev/kvm"),))})
+        rig.notifier.publish(tree(*others.values(), version=3))
+        others[Y] = dra_pool(Y, ["kvm-3"])  # and now its health changes
+        rig.notifier.publish(tree(*others.values(), version=4))
         await messages(rig, 2)
-        await trio.sleep(0.2)
-        sent = rig.kubelet.dra_state(DRIVER).health_messages
-        assert len(sent) == 2
+        # a later health change: its message comes next, so nothing came between for trees 2 to 4
+        others[Y] = dra_pool(Y, ["kvm-3"], unhealthy=["kvm-3"])
+        rig.notifier.publish(tree(*others.values(), version=5))
+        sent = await messages(rig, 3)
+        assert len(sent) == 3
         assert sent[1][key(Y, "kvm-3")].health == "Healthy"
+        assert sent[2][key(Y, "kvm-3")].health == "Unhealthy"
 
 
 async def test_vanished_devices_are_unhealthy_and_say_why(short_tmp):
-    tree = DeviceTree.build(1, [pool(X, {"d1": DeviceInfo(), "gone": DeviceInfo()}, vanished=frozenset({"gone"}),
-                                     claimed=frozenset({"gone"}))])
-    async with serving_dra(short_tmp, tree=tree) as rig:
+    async with serving_dra(short_tmp, tree=tree(dra_pool(X, ["d1", "gone"], vanished={"gone"}, claimed={"gone"}),
+                                                version=1)) as rig:
         await messages(rig, 1)
         assert rig.kubelet.dra_health(DRIVER) == {
             key(X, "d1"): ("Healthy", ""), key(X, "gone"): ("Unhealthy", VANISHED_MESSAGE)}
 
 
 async def test_devices_and_pools_that_come_and_go_send_the_new_list(short_tmp):
-    async with serving_dra(short_tmp, tree=DeviceTree.build(1, [pool(X, {"d1": DeviceInfo()})])) as rig:
+    async with serving_dra(short_tmp, tree=tree(dra_pool(X, ["d1"]), version=1)) as rig:
         await messages(rig, 1)
-        rig.notifier.publish(DeviceTree.build(2, [pool(X, {"d1": DeviceInfo(), "d2": DeviceInfo()})]))
+        rig.notifier.publish(tree(dra_pool(X, ["d1", "d2"]), version=2))
         assert set((await messages(rig, 2))[1]) == {key(X, "d1"), key(X, "d2")}
         # moved back to the device-plugin API: out of the list
-        rig.notifier.publish(DeviceTree.build(3, [pool(X, {"d1": DeviceInfo(), "d2": DeviceInfo()},
-                                                       road=DEVICE_PLUGIN_ROAD)]))
+        rig.notifier.publish(tree(pool(X, ["d1", "d2"], road=DEVICE_PLUGIN_ROAD), version=3))
         assert (await messages(rig, 3))[2] == {}
 
 
 async def test_an_unchanged_list_is_sent_again_so_the_kubelet_never_takes_it_as_unknown(short_tmp):
-    async with serving_dra(short_tmp, resend_interval=0.1, tree=DeviceTree.build(1, [pool(X, {"d1": DeviceInfo()})])
-                           ) as rig:
+    async with serving_dra(short_tmp, resend_interval=0.1, tree=tree(dra_pool(X, ["d1"]), version=1)) as rig:
         # trees keep coming without a health change: the repeat is due all the same
         for version in range(2, 8):
-            rig.notifier.publish(DeviceTree.build(version, [pool(X, {"d1": DeviceInfo()})]))
+            rig.notifier.publish(tree(dra_pool(X, ["d1"]), version=version))
             await trio.sleep(0.05)
         sent = await messages(rig, 3, timeout=2.0)
         assert all(list(message) == [key(X, "d1")] for message in sent)
@@ -145,7 +145,7 @@ async def test_an_unchanged_list_is_sent_again_so_the_kubelet_never_takes_it_as_
 
 
 async def test_a_stream_ends_and_unsubscribes_when_the_kubelet_goes(short_tmp):
-    async with serving_dra(short_tmp, tree=DeviceTree.build(1, [pool(X, {"d1": DeviceInfo()})])) as rig:
+    async with serving_dra(short_tmp, tree=tree(dra_pool(X, ["d1"]), version=1)) as rig:
         await messages(rig, 1)
         assert rig.health_streams() == 1
         await rig.kubelet_call(rig.kubelet.restart_dra)
@@ -153,21 +153,19 @@ async def test_a_stream_ends_and_unsubscribes_when_the_kubelet_goes(short_tmp):
         await messages(rig, 2)  # the new registration's stream
         # the old stream ends when its server stops or, at the latest, at its next resend
         # (RESEND_INTERVAL) to a connection that is gone: allow that on a loaded machine
-        await wait_until(lambda: rig.health_streams() == 1,
-                         "only the new stream subscribed", timeout=RESEND_INTERVAL + 10.0,
-                         state=lambda: f"{rig.health_streams()} streams subscribed")
+        await wait_until_async(lambda: rig.health_streams() == 1, RESEND_INTERVAL + 10.0,
+                               lambda: f"only the new stream subscribed: {rig.health_streams()} streams subscribed")
         assert rig.kubelet.dra_health(DRIVER) == {key(X, "d1"): ("Healthy", "")}
         await trio.to_thread.run_sync(rig.kubelet.stop)
-        await wait_until(lambda: rig.health_streams() == 0,
-                         "the stream ended with the kubelet's connection")
+        await wait_until_async(lambda: rig.health_streams() == 0, what="the stream ended with the kubelet's connection")
         assert rig.kubelet.dra_health(DRIVER) == {}
 
 
 async def test_a_kubelet_without_the_health_gate_opens_no_stream_until_asked(short_tmp):
-    async with serving_dra(short_tmp, dra_health_gate=False, tree=DeviceTree.build(1, [pool(X, {"d1": DeviceInfo()})])
-                           ) as rig:
+    async with serving_dra(short_tmp, dra_health_gate=False, tree=tree(dra_pool(X, ["d1"]), version=1)) as rig:
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER)
-        await trio.sleep(0.1)
+        # registered: a kubelet with the gate has started its stream by now (as it registers)
+        assert not await rig.kubelet_call(rig.kubelet.watching_health, DRIVER)
         assert rig.health_streams() == 0 and rig.kubelet.dra_state(DRIVER).health_streams == 0
         await rig.kubelet_call(rig.kubelet.watch_health, DRIVER)
         health = await rig.kubelet_call(rig.kubelet.wait_for_health, lambda h: h != {}, DRIVER)

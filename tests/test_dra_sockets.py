@@ -7,10 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import time
+from pathlib import Path
 
 import pytest
-import trio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.dra.v1 import api_pb2 as dra_v1
@@ -18,8 +17,9 @@ from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon.dra import SUPPORTED_VERSIONS
-from tests.drasockets import DRIVER, POOL, dra_settings, get_info, serving_dra, wait_until
+from tests.drasockets import DRIVER, POOL, DraRig, dra_settings, get_info, serving_dra
 from tests.kubelet import DraCallError
+from tests.waiting import wait_until_async
 
 CLAIMS = [("default", "uid-1", "claim-1"), ("default", "uid-2", "claim-2")]
 
@@ -85,14 +85,14 @@ async def test_the_kubelets_registration_status_is_recorded(short_tmp):
     async with serving_dra(short_tmp) as rig:
         assert not rig.sockets.registered
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER)
-        await wait_until(lambda: rig.sockets.registered, "NotifyRegistrationStatus(true) recorded")
+        await wait_until_async(lambda: rig.sockets.registered, what="NotifyRegistrationStatus(true) recorded")
         assert rig.sockets.registration_error == ""
 
 
 async def test_a_kubelet_without_our_versions_refuses_and_the_error_is_recorded_and_logged(short_tmp, caplog):
     caplog.set_level(logging.INFO, logger="devplugd.dra")
     async with serving_dra(short_tmp, kubelet_versions=("v1alpha4.DRAPlugin",)) as rig:
-        await wait_until(lambda: rig.sockets.registration_error != "", "the refusal recorded")
+        await wait_until_async(lambda: rig.sockets.registration_error != "", what="the refusal recorded")
         assert not rig.sockets.registered
         assert ('none of services supported by the plugin (["v1.DRAPlugin" "v1beta1.DRAPlugin" '
                 '"v1alpha1.DRAResourceHealth"]) are supported by the kubelet (["v1alpha4.DRAPlugin"])'
@@ -148,25 +148,37 @@ async def test_the_stand_in_fails_calls_as_the_kubelet_does(short_tmp):
         assert answers["uid-1"].error == "device is gone" and len(answers["uid-2"].devices) == 1
 
 
-async def test_a_kubelet_restart_removes_both_sockets_and_both_are_served_and_registered_again_within_a_second(
-        short_tmp):
+async def look_after(rig: DraRig, marker: Path | None = None) -> None:
+    """Until the sockets have looked at what is missing after every removal event so far: with
+    ``marker`` (a file in a watched directory, not ours), until inotify's removal of it is
+    forwarded, so every earlier removal event has been too; then one more look, asked for now."""
+    if marker is not None:
+        marker.write_bytes(b"")
+        marker.unlink()
+        await wait_until_async(lambda: str(marker) in rig.removals, what=f"the removal of {marker} forwarded")
+    looks = rig.sockets.looks
+    rig.sockets.socket_removed(str(rig.settings.dra_socket))  # still ours: a look that changes nothing
+    await wait_until_async(lambda: rig.sockets.looks > looks, what="the sockets' look at what is missing")
+
+
+async def test_a_kubelet_restart_removes_both_sockets_and_both_are_served_and_registered_again(short_tmp):
     async with serving_dra(short_tmp) as rig:
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER)
-        await wait_until(lambda: rig.sockets.registered, "registered")
+        await wait_until_async(lambda: rig.sockets.registered, what="registered")
         before = _identity(rig.settings.dra_socket), _identity(rig.settings.dra_registration_socket)
-        removed_at = time.monotonic()
         removed = await rig.kubelet_call(rig.kubelet.restart_dra)
         assert sorted(removed) == sorted([str(rig.settings.dra_registration_socket), str(rig.settings.dra_socket)])
-        await wait_until(
+        await wait_until_async(
             lambda: rig.kubelet.dra_state(DRIVER).registered and rig.kubelet.dra_state(DRIVER).registrations == 2,
-            "registered again", timeout=1.0)
-        assert time.monotonic() - removed_at < 1.0
+            what="registered again")
         after = _identity(rig.settings.dra_socket), _identity(rig.settings.dra_registration_socket)
         assert None not in after and after[0] != before[0] and after[1] != before[1]
-        await wait_until(lambda: rig.sockets.registered, "the new registration recorded")
+        await wait_until_async(lambda: rig.sockets.registered, what="the new registration recorded")
         answers = await rig.kubelet_call(rig.kubelet.prepare, CLAIMS)  # the new endpoint answers
         assert sorted(answers) == ["uid-1", "uid-2"]
-        await trio.sleep(0.3)  # our own clean-up's removal events arrive late: nothing more happens
+        # our own clean-up's removal events arrive late: once they have been acted on, nothing more happened
+        await look_after(rig, marker=rig.settings.plugins_registry_dir / "marker")
+        assert (_identity(rig.settings.dra_socket), _identity(rig.settings.dra_registration_socket)) == after
         assert rig.kubelet.dra_state(DRIVER).registrations == 2
         assert rig.run_ended == [] and rig.sockets.serving
 
@@ -176,7 +188,7 @@ async def test_a_second_restart_is_survived_too(short_tmp):
         for round_ in (1, 2, 3):
             await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, round_)
             await rig.kubelet_call(rig.kubelet.restart_dra)
-        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 4, timeout=1.0)
+        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 4)
         assert rig.run_ended == []
 
 
@@ -186,9 +198,9 @@ async def test_a_removed_registration_socket_alone_is_served_again_and_dra_sock_
         plugin_socket = _identity(rig.settings.dra_socket)
         registration_socket = _identity(rig.settings.dra_registration_socket)
         os.unlink(rig.settings.dra_registration_socket)
-        await wait_until(lambda: _identity(rig.settings.dra_registration_socket) not in (None, registration_socket),
-                         "the registration socket served again", timeout=1.0)
-        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2, timeout=1.0)
+        await wait_until_async(lambda: _identity(rig.settings.dra_registration_socket) not in (None, registration_socket),
+                               what="the registration socket served again")
+        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2)
         assert _identity(rig.settings.dra_socket) == plugin_socket
 
 
@@ -196,7 +208,7 @@ async def test_a_removed_dra_sock_alone_is_served_again_and_registered_again(sho
     async with serving_dra(short_tmp) as rig:
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER)
         os.unlink(rig.settings.dra_socket)
-        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2, timeout=1.0)
+        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2)
         assert stat.S_ISSOCK(os.lstat(rig.settings.dra_socket).st_mode)
         answers = await rig.kubelet_call(rig.kubelet.prepare, CLAIMS[:1])
         assert list(answers) == ["uid-1"]
@@ -209,7 +221,7 @@ async def test_a_removal_event_about_a_socket_that_is_still_ours_changes_nothing
         rig.sockets.socket_removed(str(rig.settings.dra_socket))
         rig.sockets.socket_removed(str(rig.settings.dra_registration_socket))
         rig.sockets.socket_removed(str(short_tmp / "plugins_registry" / "other-reg.sock"))
-        await trio.sleep(0.2)
+        await look_after(rig)
         assert (_identity(rig.settings.dra_socket), _identity(rig.settings.dra_registration_socket)) == before
         assert rig.kubelet.dra_state(DRIVER).registrations == 1
 
