@@ -35,6 +35,8 @@ TIMEOUT = 10.0
 # and, after the first snapshot, depending on its environment:
 #
 #   DPT_IDLE=seconds  {"idle_steps": N}   how often the source's task ran while nothing happened
+#                                         (seconds of a clock that jumps once every task waits:
+#                                         any timer of the source would fire, in no time)
 #   DPT_STALL=1       {"stalled": true}   then stop taking events until a line arrives on stdin
 #   DPT_ONESHOT=1     {"fds_left_open": N} cancel the source, count the descriptors it left open
 #   DPT_RCVBUF=bytes  the source's receive buffer
@@ -102,7 +104,8 @@ def _driver_main() -> None:
     options = {key: value for key, value in os.environ.items() if key.startswith("DPT_")}
     source = LinkSource(receive_buffer=int(options.get("DPT_RCVBUF", RECEIVE_BUFFER_BYTES)))
     counter = _StepCounter(SOURCE_TASK)
-    trio.run(_drive, source, counter, options, instruments=[counter])
+    clock = trio.testing.MockClock(autojump_threshold=0) if "DPT_IDLE" in options else None
+    trio.run(_drive, source, counter, options, instruments=[counter], clock=clock)
 
 
 # --------------------------------------------------------------------------------------------
