@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import stat
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import grpc
 import pytest
 
 from daemon.dra import device_name
-from tests.apiserver import ApiServer
+from tests.apiserver import SLICES_PATH, ApiServer
 from tests.daemonrun import DaemonProcess, control_cli, wait_for_control
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
@@ -32,6 +31,7 @@ NODE = "node1"
 TOKEN = "node1-token"
 RESOURCE = "intel.com/sriov_vfs"
 POOL = f"{NODE}/intel.com/sriov-vfs"
+NET_POOL = f"{NODE}/intel.com/sriov-net"
 
 
 def config(api: str = "dra", *, kvm: bool = True) -> dict[str, Any]:
@@ -142,21 +142,29 @@ def test_unchanged_pools_are_not_written_again(
     api: ApiServer, host: FakeHost, seam: Seam, start_dra: Callable[..., DaemonProcess]
 ) -> None:
     vfs = create_vfs(host, None, 0, 2)
-    start_dra()
+    pools = config()  # and a second DRA pool after the first, for VFs bound to iavf (none yet)
+    pools["resourceList"].insert(1, {"resourceName": "sriov_net", "allocationApi": "dra",
+                                     "selectors": {"drivers": ["iavf"]}})
+    start_dra(pools)
     wait_published(api, names(*vfs))
 
     def writes() -> list[str]:
         return [f"{r.method} {r.path}" for r in api.requests if r.method in ("POST", "PUT", "DELETE")]
 
-    # the slice is visible before its POST is logged (the stand-in logs a request as it answers)
-    before = api.wait_until(writes, what="the slice's POST logged")
+    # a slice is visible before its POST is logged (the stand-in logs a request as it answers)
+    api.wait_until(lambda: len(writes()) == 2, what="both POSTs logged")
+    before = writes()
     seam.send("change", host.devpath(vfs[0]), "pci", PCI_SLOT_NAME=vfs[0])  # nothing a slice shows changes
-    time.sleep(0.5)
-    assert writes() == before
-    added = create_vfs(host, seam, 2, 1)  # and a change that shows: one PUT of the pool's one slice
+    # then a change of the second pool: the publisher writes the pools of a tree one after the
+    # other in config order, so once it shows, a write the first change caused has been made
+    net = create_vfs(host, seam, 2, 1, driver="iavf")
+    wait_published(api, names(*net), pool=NET_POOL)
+    (net_slice,) = [s["metadata"]["name"] for s in api.slices(driver=DRIVER) if s["spec"]["pool"]["name"] == NET_POOL]
+    assert writes()[len(before):] == [f"PUT {SLICES_PATH}/{net_slice}"]
+    added = create_vfs(host, seam, 3, 1)  # and a change that shows: one PUT of the pool's one slice
     wait_published(api, names(*vfs, *added))
-    (write,) = writes()[len(before):]
-    assert write.startswith("PUT /apis/resource.k8s.io/v1/resourceslices/")
+    (vf_slice,) = [s["metadata"]["name"] for s in api.slices(driver=DRIVER) if s["spec"]["pool"]["name"] == POOL]
+    assert writes()[len(before) + 1:] == [f"PUT {SLICES_PATH}/{vf_slice}"]
 
 
 def test_slices_wiped_by_the_kubelet_are_published_again(
@@ -179,7 +187,8 @@ def test_an_api_server_down_at_start_is_retried_and_device_plugin_pools_are_serv
     dra_kubelet.wait_for_devices("intel.com/kvm", 1)
     wait_for_control(short_tmp / "control.sock")
     daemon.wait_for_log("unreachable")
-    time.sleep(1.6)  # retries after 0.2, 0.4 and 0.8 s
+    daemon.wait_until(lambda: sum(" DEBUG " in line and "unreachable" in line and "retrying in" in line
+                                  for line in daemon.log.splitlines()) >= 3, "three retries")  # 0.2, 0.4, 0.8 s
     errors = [line for line in daemon.log.splitlines() if " ERROR " in line and "unreachable" in line]
     assert len(errors) == 1, daemon.log  # one clear line, not one per retry (those are debug lines)
     api.up()

@@ -8,7 +8,6 @@ each pool, their generation and count, the requests that were made, the lines in
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import re
@@ -22,8 +21,7 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, ResourcePool
-from daemon.core._config import parse_config
+from daemon.core import ResourcePool
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import _publisher
 from daemon.dra._kube import ApiLink, Kube
@@ -31,7 +29,10 @@ from daemon.dra._pools import DraPools
 from daemon.dra._publisher import SlicePublisher
 from daemon.metrics import Metrics
 from daemon.settings import Settings
+from tests import trees
 from tests.apiserver import SLICES_PATH, ApiServer, Request
+from tests.trees import tree
+from tests.waiting import wait_until_async
 
 DRIVER = "devplugd.io"
 NODE = "node1"
@@ -47,22 +48,10 @@ def ids(count: int, start: int = 0) -> list[str]:
     return [f"d{index:05d}" for index in range(start, start + count)]
 
 
-def pool(name: str, device_ids: Sequence[str], *, api: str = "dra", road: str = DRA_ROAD,
-         unhealthy: Sequence[str] = ()) -> ResourcePool:
-    """``example.com/<name>``, configured with ``allocationApi: <api>`` and served on ``road``; its
-    devices plain (no handler describes them: only the core attributes are published)."""
-    document = {"resourceList": [{"resourceName": name, "deviceType": "thing", "allocationApi": api,
-                                  "selectors": {}}]}
-    (configured,) = parse_config(json.dumps(document), "test", PREFIX, {"thing": ("test", lambda entry: None)}).pools
-    devices = {i: DeviceInfo(health=UNHEALTHY if i in unhealthy else HEALTHY) for i in device_ids}
-    return ResourcePool(f"{PREFIX}/{name}", "test", configured, devices, road=road)
-
-
-_versions = itertools.count(1)
-
-
-def tree(*pools: ResourcePool) -> DeviceTree:
-    return DeviceTree.build(next(_versions), pools)
+def pool(name: str, device_ids: Sequence[str], *, road: str = DRA_ROAD, **options: Any) -> ResourcePool:
+    """``example.com/<name>``, served on ``road``; its devices plain (no handler describes them:
+    only the core attributes are published)."""
+    return trees.pool(f"{PREFIX}/{name}", device_ids, road=road, **options)
 
 
 def pool_name(name: str, node: str = NODE) -> str:
@@ -117,14 +106,13 @@ def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 async def wait_for_log(caplog: pytest.LogCaptureFixture, pattern: str, timeout: float = 5.0,
-                       level: int = logging.DEBUG) -> str:
-    with trio.move_on_after(timeout):
-        while True:
-            for message in dra_log(caplog, level):
-                if re.search(pattern, message):
-                    return message
-            await trio.sleep(0.02)
-    raise AssertionError(f"no log line like {pattern!r} within {timeout}s: {dra_log(caplog, level)}")
+                       level: int = logging.DEBUG, count: int = 1) -> str:
+    """The ``count``-th line of the DRA log (at ``level`` or above) like ``pattern``, once it is there."""
+    def found() -> str | None:
+        lines = [message for message in dra_log(caplog, level) if re.search(pattern, message)]
+        return lines[count - 1] if len(lines) >= count else None
+
+    return await wait_until_async(found, timeout, lambda: f"log line {count} like {pattern!r}: {dra_log(caplog, level)}")
 
 
 # -- the publisher -------------------------------------------------------------------------------
@@ -148,9 +136,7 @@ class Running:
         """Offer ``offered`` and wait for the sync round after it that left nothing to do."""
         synced = self.syncs()
         self.pools.offer(offered)
-        with trio.fail_after(timeout):
-            while self.syncs() <= synced:
-                await trio.sleep(0.002)
+        await wait_until_async(lambda: self.syncs() > synced, timeout, "a sync round after the tree", interval=0.002)
 
 
 @asynccontextmanager
@@ -416,7 +402,7 @@ async def test_a_pool_the_server_refuses_is_logged_once_with_the_causes_and_not_
         assert "spec.pool.name: Too long: may not be more than 253 bytes" in line
         assert "not tried again until its devices change" in line
         assert len(writes(api)) == 1
-        await trio.sleep(1)
+        await running.settle(tree(pool("things", ids(2))))  # a round after it, for the same devices
         assert len(writes(api)) == 1  # not tried again
         assert errors(caplog) == [line]
         running.pools.offer(tree(pool("things", ids(3))))  # a change of its devices: tried again
@@ -534,16 +520,17 @@ async def test_an_outage_is_one_error_line_retried_with_a_capped_backoff_and_end
         api.down()
         running.pools.offer(tree(pool("things", ids(4))))
         await wait_for_log(caplog, "unreachable", level=logging.ERROR)
-        await trio.sleep(2)  # 0.2 + 0.4 + 0.5 + 0.5 + ...: several tries
+        retry = r"UPDATE resourceslice .*; retrying in ([0-9.]+) s"
+        await wait_for_log(caplog, retry, count=4)  # 0.2 + 0.4 + 0.5 + 0.5: several tries
+        tried = sum(1 for line in dra_log(caplog, logging.DEBUG) if re.search(retry, line))
         running.pools.offer(tree(pool("things", ids(5))))  # the latest, while still down
-        await trio.sleep(0.5)
+        await wait_for_log(caplog, retry, count=tried + 2)  # a round that began after it failed too
         api.up()
         assert await wait_published(api, "things", ids(5), timeout=3) == 2  # never the intermediate one
         await wait_for_log(caplog, "(watching our ResourceSlices|ResourceSlices written) again", level=logging.INFO)
     (line,) = errors(caplog)  # one line for the outage, whichever task met it first
     assert "unreachable" in line
-    delays = [float(d) for d in re.findall(r"UPDATE resourceslice .*; retrying in ([0-9.]+) s", "\n".join(dra_log(
-        caplog, logging.DEBUG)))]
+    delays = [float(d) for d in re.findall(retry, "\n".join(dra_log(caplog, logging.DEBUG)))]
     assert len(delays) >= 3 and max(delays) == 0.5, delays
 
 
@@ -582,9 +569,7 @@ async def test_a_pool_moved_back_to_the_device_plugin_api_is_withheld_until_its_
         await api.wait_until_async(lambda: len(slices_of(api, "things")) == 1, 5, "two slices deleted")
         assert resource in running.withheld()
         await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
-        with trio.fail_after(5):
-            while running.changes != ["slices withdrawn"]:
-                await trio.sleep(0.02)
+        await wait_until_async(lambda: running.changes == ["slices withdrawn"], 5, lambda: f"{running.changes}")
         assert resource not in running.withheld()
         assert slices_of(api, "other")
     assert logged(caplog, f"deleting the ResourceSlices of pool {pool_name('things')} (no longer served through DRA)")
@@ -608,9 +593,8 @@ async def test_after_a_restart_a_device_plugin_pool_with_slices_left_is_withheld
         assert resource in running.withheld()
         assert running.changes == ["slices to withdraw"]
         await api.wait_until_async(lambda: not slices_of(api, "things"), 5, "every slice deleted")
-        with trio.fail_after(5):
-            while running.changes != ["slices to withdraw", "slices withdrawn"]:
-                await trio.sleep(0.02)
+        await wait_until_async(lambda: running.changes == ["slices to withdraw", "slices withdrawn"], 5,
+                               lambda: f"{running.changes}")
         assert resource not in running.withheld()
 
 
