@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,25 +297,19 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "configuration" / "index.html").is_file()
 
 
-@contextmanager
-def docs_copy(tmp_path: Path) -> Iterator[Path]:
+@pytest.mark.parametrize("breakage", ["an orphan page", "a broken link", "a missing anchor"])
+def test_the_strict_build_fails_on(breakage: str, tmp_path: Path) -> None:
     root = tmp_path / "copy"
     shutil.copytree(DOCS, root / "docs")
     shutil.copy(REPO_ROOT / "mkdocs.yml", root / "mkdocs.yml")
-    yield root
-
-
-@pytest.mark.parametrize("breakage", ["an orphan page", "a broken link", "a missing anchor"])
-def test_the_strict_build_fails_on(breakage: str, tmp_path: Path) -> None:
-    with docs_copy(tmp_path) as root:
-        page = root / "docs" / "index.md"
-        if breakage == "an orphan page":
-            (root / "docs" / "orphan.md").write_text("# Not in the nav\n")
-        elif breakage == "a broken link":
-            page.write_text(page.read_text() + "\n[gone](no-such-page.md)\n")
-        else:
-            page.write_text(page.read_text() + "\n[gone](cli.md#no-such-heading)\n")
-        built = mkdocs_build(root, tmp_path / "site")
+    page = root / "docs" / "index.md"
+    if breakage == "an orphan page":
+        (root / "docs" / "orphan.md").write_text("# Not in the nav\n")
+    elif breakage == "a broken link":
+        page.write_text(page.read_text() + "\n[gone](no-such-page.md)\n")
+    else:
+        page.write_text(page.read_text() + "\n[gone](cli.md#no-such-heading)\n")
+    built = mkdocs_build(root, tmp_path / "site")
     assert built.returncode != 0, f"mkdocs build --strict passed with {breakage}"
 
 
@@ -340,3 +333,27 @@ def test_the_readme_is_a_front_door() -> None:
         where = [number for number, line in fenced if line.strip() == command]
         assert where and where[0] <= SETUP_WITHIN, (
             f"{command!r} must be a fenced line of the README within its first {SETUP_WITHIN} lines: {where}")
+
+
+# ---- the .deb's copy -----------------------------------------------------------------------------
+
+DOC_DIR = "/usr/share/doc/devplugd/"
+UNIT = REPO_ROOT / "systemd" / "devplugd.service"
+DEBIAN = REPO_ROOT / "packaging" / "deb" / "debian"
+
+
+def test_the_units_documentation_is_shipped_uncompressed() -> None:
+    """Each page the unit's Documentation= names is in the tree, in what debian/devplugd.docs
+    ships, and kept from dh_compress (its path must stay the .md one)."""
+    urls = [url for line in re.findall(r"^Documentation=(.*)$", UNIT.read_text(), re.MULTILINE) for url in line.split()]
+    assert urls, f"{UNIT.name} names no documentation"
+    shipped = DEBIAN.joinpath("devplugd.docs").read_text().split()
+    compress = re.search(r"^\s+dh_compress\b.*$", DEBIAN.joinpath("rules").read_text(), re.MULTILINE)
+    assert compress, "debian/rules calls no dh_compress"
+    excluded = re.findall(r"-X\s*(\S+)", compress[0])
+    for url in urls:
+        assert url.startswith("file://" + DOC_DIR), f"{url}: not a page the .deb ships"
+        relative = url.removeprefix("file://" + DOC_DIR)
+        assert (REPO_ROOT / relative).is_file(), f"{url}: {relative} is not in the tree"
+        assert relative.split("/")[0] in shipped, f"{url}: devplugd.docs does not ship {relative}"
+        assert any(item in DOC_DIR.lstrip("/") + relative for item in excluded), f"{url}: dh_compress gzips it"
