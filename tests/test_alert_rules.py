@@ -5,31 +5,42 @@ the daemon they watch.
 ``prometheusrule.yaml`` (prometheus-operator's PrometheusRule) is rendered from it by this module:
 ``.venv/bin/python -m tests.test_alert_rules`` writes it again. ``devplugd-rules.test.yaml`` is
 ``promtool test rules``' unit tests, whose input series must be what a scrape of the daemon's
-registry has (names, labels, histogram buckets), plus the labels a scrape adds. promtool comes
-from Debian's ``prometheus`` package; without it these tests fail, they do not skip.
+registry has (names, labels, histogram buckets), plus the labels a scrape adds; and a label
+value a rule selects (``reason="error"``) must be one the daemon counts under, as the real
+ResourceSlice publisher shows against the API server stand-in. promtool comes from Debian's
+``prometheus`` package; without it these tests fail, they do not skip.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import pytest
+import trio
 import yaml
 from markdown.extensions.toc import slugify
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, ResourcePool
-from daemon.core._tree import DeviceTree
+from daemon.core._config import parse_config
+from daemon.core._tree import DRA_ROAD, DeviceTree
+from daemon.dra._kube import ApiLink
+from daemon.dra._pools import DraPools
+from daemon.dra._publisher import SlicePublisher
 from daemon.metrics import Metrics
+from daemon.settings import Settings
+from tests.apiserver import SLICES_PATH, ApiServer
 from tests.daemonrun import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
@@ -209,15 +220,22 @@ def test_each_alerts_runbook_is_its_section_of_docs_alerts_md_with_its_severity_
     assert row in page, f"the table of {DOCS.name} has no row starting {row}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings (not a code block's comments), as MkDocs (Python-Markdown's
+    toc) gives them."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE | re.DOTALL)
+    return {slugify(heading, "-") for heading in re.findall(r"^#{1,6} (.+)$", text, re.MULTILINE)}
+
+
 def test_the_docs_page_links_only_to_its_own_sections_and_pages_beside_it() -> None:
-    """A valid MkDocs page: deploy/ is outside docs/, so paths there are code, not links."""
+    """A valid MkDocs page: deploy/ is outside docs/, so paths there are code, not links; a link
+    to another page's section names one of its headings."""
     page = DOCS.read_text(encoding="utf-8")
-    headings = {slugify(heading, "-") for heading in re.findall(r"^#{1,6} (.+)$", page, re.MULTILINE)}
     for target in re.findall(r"\]\(([^)]*)\)", page):
-        if target.startswith("#"):
-            assert target[1:] in headings, f"link to {target!r}"
-        else:
-            assert re.fullmatch(r"[\w-]+\.md", target) and (DOCS.parent / target).is_file(), f"link to {target!r}"
+        path, _, fragment = target.partition("#")
+        linked = DOCS.parent / path if path else DOCS
+        assert not path or (re.fullmatch(r"[\w-]+\.md", path) and linked.is_file()), f"link to {target!r}"
+        assert not fragment or fragment in _anchors(linked), f"link to {target!r}"
 
 
 # -- the unit tests: every alert, firing and quiet, on series the daemon exports ---------------
@@ -252,12 +270,15 @@ def _exposition() -> dict[str, set[frozenset[tuple[str, str]]]]:
     """Sample name -> the label sets of its samples, in a scrape of a daemon's registry whose
     instruments have all been used (a labelled counter or histogram has no sample until then)."""
     metrics = Metrics()
-    devices = {"0000:3b:02.0": DeviceInfo(health=HEALTHY), "0000:3b:02.1": DeviceInfo(health=UNHEALTHY)}
-    pool = ResourcePool("intel.com/dpdk", "pci", None, MappingProxyType(devices))  # type: ignore[arg-type]
+    devices = {"0000:3b:02.0": DeviceInfo(health=HEALTHY), "0000:3b:02.1": DeviceInfo(health=UNHEALTHY),
+               "0000:3b:02.2": DeviceInfo(health=UNHEALTHY)}
+    pool = ResourcePool("intel.com/dpdk", "pci", None, MappingProxyType(devices),  # type: ignore[arg-type]
+                        vanished=frozenset({"0000:3b:02.2"}))
     metrics.tree.offer(DeviceTree.build(1, [pool]))
     metrics.register_calls.labels(pool.resource).inc()
     metrics.register_failures.labels(pool.resource).inc()
     metrics.listandwatch_sent(pool.resource, time.monotonic())
+    metrics.dra_slice_write_failures.labels("error").inc()
     scraped: dict[str, set[frozenset[tuple[str, str]]]] = {}
     for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
         for sample in family.samples:
@@ -312,6 +333,94 @@ def test_the_unit_tests_input_series_are_a_scrape_of_the_daemon_plus_target_labe
         exported = {dict(labels)["le"] for labels in EXPOSITION[name]}
         # every bucket, as the daemon writes its bound ("1.0", "+Inf")
         assert buckets == exported, f"{name}: the daemon's buckets are {sorted(exported)}"
+
+
+# -- label values the rules select: the ones the daemon counts under ----------------------------
+
+
+def _rule_selections() -> dict[tuple[str, str], set[str]]:
+    """(daemon series, label) -> the values the rules' selectors match it on (``=`` only: the
+    rules use no other matcher on the daemon's series)."""
+    selected: dict[tuple[str, str], set[str]] = {}
+    for rule in _rules():
+        for name, matchers in re.findall(r"\b(devplugd_\w+)\{([^}]*)\}", rule["expr"]):
+            pairs = re.findall(r'(\w+)\s*(=~|!=|!~|=)\s*"([^"]*)"', matchers)
+            assert all(op == "=" for _, op, _ in pairs), f"{rule['alert']}: {matchers}"
+            for label, _, value in pairs:
+                assert label in _label_names(name), f"{rule['alert']}: the daemon's {name} has no {label}"
+                selected.setdefault((name, label), set()).add(value)
+    return selected
+
+
+DRA_NODE, DRA_DRIVER, DRA_TOKEN = "node1", "devplugd.io", "node1-token"
+WRITE_FAILURES = "devplugd_dra_slice_write_failures_total"
+
+
+def _dra_tree(version: int, count: int) -> DeviceTree:
+    """One DRA pool, example.com/things, of ``count`` plain Healthy devices."""
+    document = {"resourceList": [{"resourceName": "things", "deviceType": "thing", "allocationApi": "dra",
+                                  "selectors": {}}]}
+    (configured,) = parse_config(json.dumps(document), "test", "example.com",
+                                 {"thing": ("test", lambda entry: None)}).pools
+    devices = {f"d{index:05d}": DeviceInfo(health=HEALTHY) for index in range(count)}
+    return DeviceTree.build(version, [ResourcePool("example.com/things", "test", configured, devices,
+                                                    road=DRA_ROAD)])
+
+
+async def _publish_through_failures(api: ApiServer, kubeconfig: Path) -> Metrics:
+    """The real SlicePublisher's metrics once the API server refused its pool (422), then failed
+    the write of the pool's next devices once (500), which the publisher retried."""
+    settings = Settings(kubeconfig=kubeconfig, node_name=DRA_NODE, dra_driver=DRA_DRIVER)
+    link = ApiLink(settings)
+    metrics = Metrics()
+    sample = metrics.registry.get_sample_value
+
+    async def until(what: str, done: Callable[[], bool]) -> None:
+        with trio.move_on_after(10):
+            while not done():
+                await trio.sleep(0.01)
+        assert done(), f"the publisher did not get to {what}"
+
+    pools: list[DraPools] = []
+    publisher = SlicePublisher(settings, link, metrics, on_server=lambda on_server: pools[0].on_server(on_server))
+    pools.append(DraPools(DRA_DRIVER, DRA_NODE, {}, publisher))
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publisher.run)
+            api.fail_next("POST", SLICES_PATH + "$", 422, message="ResourceSlice.resource.k8s.io is invalid: injected")
+            pools[0].offer(_dra_tree(1, 2))
+            await until("a refused pool", lambda: sample("devplugd_dra_pools_refused") == 1)
+            assert sample(WRITE_FAILURES, {"reason": "refused"}) == 1
+            api.fail_next("POST", SLICES_PATH + "$", 500, message="injected")
+            pools[0].offer(_dra_tree(2, 3))  # its devices changed: tried again, failed once, retried
+            await until("the pool written", lambda: sample("devplugd_dra_pools_refused") == 0 and bool(
+                sample("devplugd_dra_slice_writes_total", {"operation": "create"})))
+            assert sample(WRITE_FAILURES, {"reason": "error"}) == 1
+            assert sample(WRITE_FAILURES, {"reason": "refused"}) == 1
+            nursery.cancel_scope.cancel()
+    finally:
+        link.close()
+    return metrics
+
+
+async def test_the_label_values_the_rules_select_are_those_the_daemon_counts_under(tmp_path: Path) -> None:
+    """``reason="error"`` (DevplugdResourceSliceWritesFailing) counts the failures the publisher
+    retries and not a refused pool, which devplugd_dra_pools_refused counts until its devices
+    change (DevplugdResourceSlicesRefused): the values from the real publisher, not this file."""
+    with ApiServer(token=DRA_TOKEN) as api:
+        api.add_node(DRA_NODE)
+        metrics = await _publish_through_failures(api, api.kubeconfig(tmp_path / "kubeconfig"))
+    counted: dict[tuple[str, str], set[str]] = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        for sample in family.samples:
+            for label, value in sample.labels.items():
+                counted.setdefault((sample.name, label), set()).add(value)
+    assert counted[(WRITE_FAILURES, "reason")] == {"error", "refused"}
+    selected = _rule_selections()
+    assert selected, "no rule selects on a label value of the daemon's series: this test checks nothing"
+    for (name, label), values in selected.items():
+        assert (name, label) in counted, f"a rule selects {name} by {label}, which this test does not make count"
+        assert values <= counted[(name, label)], f"{name} by {label}: the daemon counts {counted[(name, label)]}"
 
 
 def test_the_latency_bound_is_a_bucket_bound_of_the_histogram() -> None:
