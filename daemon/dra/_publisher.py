@@ -122,10 +122,9 @@ class SlicePublisher:
                 kube = await self._link.get()
                 self._node_uid = await trio.to_thread.run_sync(kube.node_uid, self._node, abandon_on_cancel=True)
                 break
-            except NotFound as error:
-                delay = backoff.next_delay()
-                complaints.failed(KubeError(f"node {self._node} is not on the API server ({error})"), delay)
-            except KubeError as error:
+            except KubeError as error:  # no slice can be written: counted as a failed write
+                if isinstance(error, NotFound):
+                    error = KubeError(f"node {self._node} is not on the API server ({error})")
                 self._metrics.dra_slice_write_failures.labels("error").inc()
                 delay = backoff.next_delay()
                 complaints.failed(error, delay)

@@ -122,7 +122,8 @@ class Metrics:
         self.dra_slice_write_failures = counter(
             "devplugd_dra_slice_write_failures", "ResourceSlice writes that failed, by reason: refused (the API "
             "server rejected a pool's slices as invalid; not tried again until its devices change) or error (any "
-            "other failure: unreachable, forbidden, conflicts that did not settle; retried with backoff).",
+            "other failure: unreachable, forbidden, this node missing from the API server, conflicts that did not "
+            "settle; retried with backoff).",
             ("reason",))
         self.dra_pools_refused = gauge("devplugd_dra_pools_refused", "DRA pools whose ResourceSlices the API "
                                        "server refused as invalid, not published until their devices change.")
