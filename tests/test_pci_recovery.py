@@ -19,13 +19,14 @@ from daemon.core import HEALTH_LOST, HEALTH_RESTORED, HEALTHY, UNHEALTHY, Device
 from daemon.core._config import parse_config
 from daemon.core._notifier import Notifier, TreeStream
 from daemon.core._tree import DeviceTree
-from daemon.deviceplugin import _servicer
 from daemon.deviceplugin._servicer import listing_scope
 from daemon.handlers.pci import _folding
 from daemon.loop import EventLoop
 from tests.counting import holdings_for
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
+from tests.trees import pool, tree
+from tests.waiting import wait_until_async
 
 PF = "0000:3b:00.0"
 VFS = ["0000:3b:02.0", "0000:3b:02.1"]
@@ -227,9 +228,7 @@ async def test_the_loop_publishes_the_unhealthy_tree_before_folding_the_recovery
             send.send_nowait(UEvent(action, device, "x"))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(loop.run, receive)
-        with trio.fail_after(5):
-            while not trees.trees or trees.trees[-1].version < 2:
-                await trio.sleep(0.01)
+        await wait_until_async(lambda: trees.trees and trees.trees[-1].version >= 2, 5, "the second tree")
         nursery.cancel_scope.cancel()
     listings = [[health for _, health, _ in tree.pools["example.com/things"].listing] for tree in trees.trees]
     # the first scan and the BEGINs are one batch, the SUCCESSFULs the next: two trees, not one nor six
@@ -271,34 +270,23 @@ async def test_a_health_loss_is_published_before_a_fold_that_may_block():
     async with trio.open_nursery() as nursery:
         nursery.start_soon(loop.run, receive)
         await send.send(Resync(None, "start"))
-        with trio.fail_after(5):
-            while not trees.trees:
-                await trio.sleep(0.005)
+        await wait_until_async(lambda: trees.trees, 5, "the first tree")
         send.send_nowait(UEvent("lose", "d0", "x"))
         send.send_nowait(UEvent("slow", "d1", "x"))  # waiting on the bus in the same batch
-        with trio.fail_after(5):
-            while trees.trees[-1].pools["example.com/things"].devices["d0"].health != UNHEALTHY:
-                await trio.sleep(0.005)
+        await wait_until_async(lambda: trees.trees[-1].pools["example.com/things"].devices["d0"].health == UNHEALTHY,
+                               5, "d0 Unhealthy")
         assert not handler.read_done.is_set()  # published while the blocked read still waits
         handler.reads.set()
-        with trio.fail_after(5):
-            while not handler.read_done.is_set():
-                await trio.sleep(0.005)
+        await wait_until_async(handler.read_done.is_set, 5, "the blocked read done")
         nursery.cancel_scope.cancel()
 
 
 # -- the ListAndWatch mailbox ------------------------------------------------------------------
 
 
-_versions = iter(range(1, 1_000_000))
-
-
-def _tree(healths: dict[str, str]) -> Any:
-    from daemon.core import ResourcePool
-    from daemon.core._tree import DeviceTree
-    pool = ResourcePool("example.com/things", "t", None,  # type: ignore[arg-type]
-                        {device_id: DeviceInfo(health=health) for device_id, health in healths.items()})
-    return DeviceTree.build(next(_versions), [pool])
+def _tree(healths: dict[str, str]) -> DeviceTree:
+    return tree(pool("example.com/things", list(healths), handler="t",
+                     unhealthy=[device_id for device_id, health in healths.items() if health == UNHEALTHY]))
 
 
 def _stream(first: dict[str, str]) -> TreeStream:
@@ -310,41 +298,49 @@ def _listing(tree: Any) -> Any:
     return pool.listing if pool is not None else None
 
 
+# A plain list the stream would hold this long (quiet since its last send, and at most): an
+# hour, so that whatever comes without waiting it out came because it may go at once.
+HOLD = {"quiet": 3600.0, "max_delay": 3600.0}
+
+
+async def _held(stream: TreeStream, last_sent: float) -> asyncio.Task[DeviceTree | None]:
+    """``stream.next`` in a task of its own, once it has run until it waits: still running, it holds
+    what it has; done, it did not."""
+    task = asyncio.create_task(stream.next(last_sent=last_sent, **HOLD))
+    await asyncio.sleep(0)  # the task's first step: it takes the tree or waits, with no other await before
+    return task
+
+
 def test_an_unhealthy_list_is_sent_at_once_and_not_hidden_by_a_healthy_one():
-    async def run() -> tuple[list[Any], list[float], float]:
+    async def run() -> tuple[Any, bool, Any]:
         stream = _stream({"a": HEALTHY, "b": HEALTHY})
         last_sent = time.monotonic()  # the stream has just sent: a plain change would be held
         stream.offer(_tree({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))  # plain: conflated away
         stream.offer(_tree({"a": UNHEALTHY, "b": HEALTHY, "c": HEALTHY}))
         stream.offer(_tree({"a": UNHEALTHY, "b": UNHEALTHY, "c": HEALTHY}))  # includes the first urgent one's: replaces it
         stream.offer(_tree({"a": HEALTHY, "b": HEALTHY, "c": HEALTHY}))
-        offered = time.monotonic()
-        sent, returned = [], []
-        for _ in range(2):
-            tree = await stream.next(last_sent=last_sent, quiet=_servicer.COALESCE_QUIET,
-                                     max_delay=_servicer.COALESCE_MAX_DELAY)
-            last_sent = time.monotonic()
-            sent.append(_listing(tree))
-            returned.append(last_sent - offered)
-        return sent, returned, offered
+        async with asyncio.timeout(10):  # not held for the hour, although the stream had just sent
+            first = await stream.next(last_sent=last_sent, **HOLD)
+        held = await _held(stream, time.monotonic())  # then the healthy list is coalesced as usual
+        was_held = not held.done()
+        held.cancel()
+        return _listing(first), was_held, _listing(await stream.next())  # what was held, taken now
 
-    (first, second), (first_at, second_at), _ = asyncio.run(run())
+    first, was_held, second = asyncio.run(run())
     assert [h for _, h, _ in first] == [UNHEALTHY, UNHEALTHY, HEALTHY]
-    assert first_at < _servicer.COALESCE_QUIET  # at once, although the stream had just sent
+    assert was_held
     assert [h for _, h, _ in second] == [HEALTHY] * 3
-    assert second_at >= _servicer.COALESCE_QUIET * 0.9  # then coalesced as usual
 
 
 def test_an_urgent_list_interrupts_a_held_one():
-    async def run() -> tuple[Any, float]:
+    async def run() -> tuple[bool, Any]:
         stream = _stream({"a": HEALTHY})
-        last_sent = time.monotonic()
         stream.offer(_tree({"a": HEALTHY, "b": HEALTHY}))
-        asyncio.get_running_loop().call_later(0.005, stream.offer, _tree({"a": UNHEALTHY, "b": HEALTHY}))
-        started = time.monotonic()
-        tree = await stream.next(last_sent=last_sent, quiet=_servicer.COALESCE_QUIET,
-                                 max_delay=_servicer.COALESCE_MAX_DELAY)
-        return _listing(tree), time.monotonic() - started
+        held = await _held(stream, time.monotonic())
+        was_held = not held.done()
+        stream.offer(_tree({"a": UNHEALTHY, "b": HEALTHY}))
+        async with asyncio.timeout(10):  # not the hour
+            return was_held, _listing(await held)
 
-    listing, waited = asyncio.run(run())
-    assert listing == (("a", UNHEALTHY, ()), ("b", HEALTHY, ())) and waited < _servicer.COALESCE_QUIET
+    was_held, listing = asyncio.run(run())
+    assert was_held and listing == (("a", UNHEALTHY, ()), ("b", HEALTHY, ()))
