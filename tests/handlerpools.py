@@ -10,6 +10,7 @@ from typing import Any
 from daemon.core import ConfiguredPool, ContainerAllocation, DeviceInfo, ResourcePool
 from daemon.core._config import parse_config
 from daemon.core._handler import Hooks, allocate_container
+from tests import trees
 
 
 def configure_pools(handler: Any, entries: Iterable[dict[str, Any]], prefix: str,
@@ -31,7 +32,7 @@ def pool_of(handler: Any, configured: ConfiguredPool[Any], facts: Any = None) ->
     """The one pool ``configured`` as the tree holds it, built from ``facts`` (a fresh scan by default)."""
     facts = handler.scan() if facts is None else facts
     devices: Mapping[str, DeviceInfo] = handler.build(facts, [configured])[configured.resource]
-    return ResourcePool(configured.resource, handler.name, configured, devices)
+    return trees.pool(configured, devices)
 
 
 def allocate_as_daemon(handler: Any, pool: ResourcePool, device_ids: list[str]) -> ContainerAllocation:

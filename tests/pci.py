@@ -8,6 +8,7 @@ from typing import Any
 
 from daemon.core import ContainerAllocation, HandlerContext, ResourcePool, default_allocation
 from daemon.handlers.pci import PciHandler
+from tests import trees
 from tests.fakesysfs import FakeHost
 from tests.handlerpools import configure_pools
 
@@ -28,7 +29,7 @@ class Pci:
     def pools(self, *entries: dict[str, Any], prefix: str = "intel.com") -> dict[str, ResourcePool]:
         configured = self.configure(*entries, prefix=prefix)
         built = self.handler.build(self.handler.scan(), configured)
-        return {p.resource: ResourcePool(p.resource, "pci", p, built[p.resource]) for p in configured}
+        return {p.resource: trees.pool(p, built[p.resource]) for p in configured}
 
     def pool(self, entry: dict[str, Any], prefix: str = "intel.com") -> ResourcePool:
         (only,) = self.pools(entry, prefix=prefix).values()

@@ -15,6 +15,7 @@ from daemon.dra import device_name, slice_devices
 from daemon.handlers.devnode import DevNodeHandler
 from daemon.handlers.pci import PciHandler
 from daemon.handlers.pci._attributes import hex_id, pci_attributes
+from tests import trees
 from tests.devnodes import DevNodes, mknod
 from tests.fakesysfs import INFINIBAND, FakeHost
 from tests.pci import NVME_CLASS, Pci
@@ -177,7 +178,7 @@ def test_a_dev_node_publishes_its_path_in_the_container(host: FakeHost) -> None:
     (configured,) = nodes.configure({"resourceName": "tun", "allocationApi": "dra", "count": 2,
                                      "selectors": {"paths": ["/dev/net/tun"]}})
     built = nodes.handler.build(nodes.handler.scan(), [configured])
-    pool = ResourcePool(configured.resource, "devnode", configured, built[configured.resource])
+    pool = trees.pool(configured, built[configured.resource])
     assert slice_devices(pool, DRIVER, Hooks.of(nodes.handler).describer) == [
         {"name": device_name(f"net_tun-{index}"), "attributes": {
             "id": {"string": f"net_tun-{index}"},
@@ -189,8 +190,7 @@ def test_a_dev_node_publishes_its_path_in_the_container(host: FakeHost) -> None:
 
 def test_a_dev_node_device_without_specs_says_nothing() -> None:
     handler = DevNodeHandler.__new__(DevNodeHandler)
-    pool = ResourcePool("example.com/x", "devnode", None, {"a": DeviceInfo()})  # type: ignore[arg-type]
+    pool = trees.pool("example.com/x", ["a"], handler="devnode")
     assert handler.dra_attributes(pool, "a") == {}
-    pool = ResourcePool("example.com/x", "devnode", None,  # type: ignore[arg-type]
-                        {"a": DeviceInfo(specs=(DeviceSpec("/dev/kvm", "/dev/kvm"),))})
+    pool = trees.pool("example.com/x", {"a": DeviceInfo(specs=(DeviceSpec("/dev/kvm", "/dev/kvm"),))}, handler="devnode")
     assert handler.dra_attributes(pool, "a") == {"path": "/dev/kvm"}

@@ -19,15 +19,16 @@ import pytest
 import trio
 
 from daemon.core import HandlerContext, ResourcePool
-from daemon.core._config import DRA_API, DaemonConfig, parse_config
+from daemon.core._config import DaemonConfig, parse_config
 from daemon.core._handler import Hooks
-from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, DeviceTree
+from daemon.core._tree import DeviceTree
 from daemon.dra import device_classes, pool_name
 from daemon.dra._kube import ApiLink
 from daemon.dra._pools import DraPools
 from daemon.dra._publisher import SlicePublisher
 from daemon.handlers.devnode import DevNodeHandler
 from daemon.settings import Settings
+from tests import trees
 from tests.apiserver import ApiServer
 from tests.cel import cel_device
 from tests.fakesysfs import FakeHost
@@ -80,10 +81,8 @@ def pools(pci: Pci, host: FakeHost, devnode: DevNodeHandler) -> tuple[DaemonConf
     for handler in handlers:
         mine = config.pools_of(handler.name)
         devices = handler.build(handler.scan(), mine)
-        built += [ResourcePool(p.resource, handler.name, p, devices[p.resource],
-                               road=DRA_ROAD if p.entry.allocation_api == DRA_API else DEVICE_PLUGIN_ROAD)
-                  for p in mine]
-    return config, DeviceTree.build(1, built)
+        built += [trees.pool(p, devices[p.resource]) for p in mine]  # on its config's road
+    return config, trees.tree(*built, version=1)
 
 
 def foreign_slice(api: ApiServer) -> None:

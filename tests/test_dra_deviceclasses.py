@@ -27,6 +27,7 @@ from daemon.dra import (
     slice_devices,
 )
 from daemon.handlers.devnode import DevNodeHandler
+from tests import trees
 from tests.cel import cel_device
 from tests.daemonrun import run_cli
 from tests.devnodes import mknod
@@ -77,8 +78,7 @@ def three_pools(pci: Pci, host: FakeHost, devnode: DevNodeHandler) -> tuple[Daem
     for handler in (pci.handler, devnode):
         mine = config.pools_of(handler.name)
         built = handler.build(handler.scan(), mine)
-        pools += [ResourcePool(p.resource, handler.name, p, built[p.resource], road="dra") for p in mine
-                  if p.entry.allocation_api == "dra"]
+        pools += [trees.pool(p, built[p.resource]) for p in mine if p.entry.allocation_api == "dra"]
     return config, pools
 
 

@@ -19,7 +19,7 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.dra.v1 import api_pb2 as dra
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_grpc
 from daemon.cdi import CdiWriter
-from daemon.core import UNHEALTHY, ResourcePool
+from daemon.core import UNHEALTHY
 from daemon.core._handler import Hooks, allocate_container
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
@@ -27,6 +27,7 @@ from daemon.dra._claims import CLAIMS_FILE, ClaimBook, ClaimNotFound, ClaimRef
 from daemon.dra._prepare import ClaimPreparer, PrepareResult
 from daemon.dra._servicer import DraPluginServicer, add_to_server
 from daemon.sockets import start_unix_server
+from tests import trees
 from tests.devnodes import DevNodes, mknod
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
@@ -126,7 +127,7 @@ class Node:
         (kvm_config,) = self.devnodes.configure({"resourceName": "kvm", "allocationApi": "dra", "count": 3,
                                                  "selectors": {"paths": ["/dev/kvm"]}})
         kvm_devices = self.devnodes.handler.build(self.devnodes.handler.scan(), [kvm_config])[KVM]
-        pools[KVM] = ResourcePool(KVM, "devnode", kvm_config, kvm_devices)
+        pools[KVM] = trees.pool(kvm_config, kvm_devices)
         self.pools = {resource: dataclasses.replace(pool, road=DRA_ROAD) for resource, pool in pools.items()}
         self.version = 1
         self.hooks = {"pci": Hooks.of(pci.handler), "devnode": Hooks.of(self.devnodes.handler)}
@@ -142,7 +143,7 @@ class Node:
                                       self.api.get_claim, self.changes.append, **options)
 
     def tree(self) -> DeviceTree:
-        return DeviceTree.build(self.version, self.pools.values())
+        return trees.tree(*self.pools.values(), version=self.version)
 
     def change_pool(self, resource: str, **changes: Any) -> None:
         self.pools[resource] = dataclasses.replace(self.pools[resource], **changes)

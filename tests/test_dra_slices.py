@@ -17,6 +17,7 @@ from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
 from daemon.core._names import dns_subdomain_problem
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
 from daemon.dra._slices import generate_name
+from tests import trees
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
 
@@ -26,6 +27,7 @@ NODE_UID = "6f1d7a62-3c39-4b8e-9f54-2d0a1e7b9c10"
 PF = "0000:3b:00.0"
 VFS = [f"0000:3b:02.{i}" for i in range(4)]
 VF_NAMES = [device_name(vf) for vf in VFS]
+THINGS = "example.com/things"
 
 
 class Describer:
@@ -39,10 +41,6 @@ class Describer:
         if self.error is not None:
             raise self.error
         return self.attributes
-
-
-def plain_pool(device_ids: list[str], resource: str = "example.com/things", **fields: Any) -> ResourcePool:
-    return ResourcePool(resource, "test", None, {i: DeviceInfo() for i in device_ids}, **fields)  # type: ignore[arg-type]
 
 
 def names(devices: list[dict[str, Any]]) -> list[str]:
@@ -97,13 +95,13 @@ def test_a_pool_with_nothing_to_offer_publishes_no_devices(vf_pool: ResourcePool
 
 
 def test_device_order_is_the_device_ids_order_not_the_pools(pci: Pci) -> None:
-    pool = plain_pool(["kvm-2", "kvm-10", "kvm-1"])
+    pool = trees.pool(THINGS, ["kvm-2", "kvm-10", "kvm-1"])
     assert names(slice_devices(pool, DRIVER, None)) == ["kvm-1", "kvm-10", "kvm-2"]
 
 
 def test_two_ids_with_one_device_name_keep_the_first_and_log_the_second(caplog: pytest.LogCaptureFixture) -> None:
     hashed = device_name("A")  # "A" is no DNS label: its name is "a-<hash>", itself a DNS label
-    pool = plain_pool(["A", hashed])
+    pool = trees.pool(THINGS, ["A", hashed])
     with caplog.at_level(logging.WARNING, "devplugd.dra"):
         devices = slice_devices(pool, DRIVER, None)
     assert [device["attributes"]["id"]["string"] for device in devices] == ["A"]
@@ -115,7 +113,7 @@ def test_two_ids_with_one_device_name_keep_the_first_and_log_the_second(caplog: 
 
 
 def test_core_attributes_are_the_id_the_resource_and_a_single_numa_node() -> None:
-    pool = ResourcePool("example.com/things", "test", None, {  # type: ignore[arg-type]
+    pool = trees.pool(THINGS, {
         "one": DeviceInfo(numa_nodes=(1,)), "two": DeviceInfo(numa_nodes=(0, 1)), "none": DeviceInfo()})
     attributes = {device["name"]: device["attributes"] for device in slice_devices(pool, DRIVER, None)}
     assert attributes["one"] == {"id": {"string": "one"}, "resourceName": {"string": "example.com/things"},
@@ -125,7 +123,7 @@ def test_core_attributes_are_the_id_the_resource_and_a_single_numa_node() -> Non
 
 def test_bools_are_bools_and_ints_are_ints() -> None:
     describer = Describer({"sriov": True, "count": 1, "zero": 0, "off": False})
-    (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+    (device,) = slice_devices(trees.pool(THINGS, ["a"]), DRIVER, describer)
     assert {name: device["attributes"][name] for name in ("sriov", "count", "zero", "off")} == {
         "sriov": {"bool": True}, "count": {"int": 1}, "zero": {"int": 0}, "off": {"bool": False}}
     assert json.dumps(device["attributes"]["sriov"]) == '{"bool": true}'
@@ -133,7 +131,7 @@ def test_bools_are_bools_and_ints_are_ints() -> None:
 
 def test_prefixed_attributes_keep_their_domain_and_our_own_domain_is_dropped() -> None:
     describer = Describer({"resource.kubernetes.io/pciBusID": "0000:3b:02.0", f"{DRIVER}/model": "x710"})
-    (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+    (device,) = slice_devices(trees.pool(THINGS, ["a"]), DRIVER, describer)
     assert device["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": "0000:3b:02.0"}
     assert device["attributes"]["model"] == {"string": "x710"}
     assert f"{DRIVER}/model" not in device["attributes"]
@@ -165,7 +163,7 @@ def test_an_attribute_the_server_would_refuse_is_left_out_with_its_reason(
 ) -> None:
     describer = Describer({name: value, "fine": "yes"})
     with caplog.at_level(logging.WARNING, "devplugd.dra"):
-        (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+        (device,) = slice_devices(trees.pool(THINGS, ["a"]), DRIVER, describer)
     assert device["attributes"]["fine"] == {"string": "yes"}
     assert device["attributes"]["id"] == {"string": "a"}
     assert device["attributes"]["resourceName"] == {"string": "example.com/things"}
@@ -179,7 +177,7 @@ def test_a_describer_that_fails_contributes_nothing_and_the_device_is_still_publ
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.WARNING, "devplugd.dra"):
-        devices = slice_devices(plain_pool(["a", "b"]), DRIVER, Describer(error=KeyError("gone")))
+        devices = slice_devices(trees.pool(THINGS, ["a", "b"]), DRIVER, Describer(error=KeyError("gone")))
     assert [set(device["attributes"]) for device in devices] == [{"id", "resourceName"}] * 2
     assert dra_messages(caplog) == [
         f"example.com/things: device {i}: its handler's attributes left out of its ResourceSlice: "
@@ -189,7 +187,7 @@ def test_a_describer_that_fails_contributes_nothing_and_the_device_is_still_publ
 def test_attributes_beyond_32_are_left_out(caplog: pytest.LogCaptureFixture) -> None:
     describer = Describer({f"a{index:02}": index for index in range(40)})
     with caplog.at_level(logging.WARNING, "devplugd.dra"):
-        (device,) = slice_devices(plain_pool(["a"]), DRIVER, describer)
+        (device,) = slice_devices(trees.pool(THINGS, ["a"]), DRIVER, describer)
     assert len(device["attributes"]) == 32
     assert "a29" in device["attributes"] and "a30" not in device["attributes"]  # id, resourceName, a00..a29
     assert len(dra_messages(caplog)) == 10
@@ -199,7 +197,7 @@ def test_attributes_beyond_32_are_left_out(caplog: pytest.LogCaptureFixture) -> 
 def test_a_long_device_id_loses_its_id_attribute_not_its_place(caplog: pytest.LogCaptureFixture) -> None:
     device_id = "d" * 70
     with caplog.at_level(logging.WARNING, "devplugd.dra"):
-        (device,) = slice_devices(plain_pool([device_id]), DRIVER, None)
+        (device,) = slice_devices(trees.pool(THINGS, [device_id]), DRIVER, None)
     assert device["name"] == device_name(device_id) and "id" not in device["attributes"]
     assert len(dra_messages(caplog)) == 1
 
@@ -207,7 +205,7 @@ def test_a_long_device_id_loses_its_id_attribute_not_its_place(caplog: pytest.Lo
 def test_a_resource_name_too_long_for_its_attribute_publishes_no_devices(caplog: pytest.LogCaptureFixture) -> None:
     resource = "devices." + "a" * 50 + ".example.com/things"
     with caplog.at_level(logging.WARNING, "devplugd.dra"):
-        assert slice_devices(plain_pool(["a"], resource), DRIVER, None) == []
+        assert slice_devices(trees.pool(resource, ["a"]), DRIVER, None) == []
     (message,) = dra_messages(caplog)
     assert message.startswith(f"{resource}: no devices published") and "longer than 64 bytes" in message
 
@@ -217,8 +215,8 @@ def test_a_problem_is_logged_once_across_publications_given_the_same_seen_set(ca
     seen: set[str] = set()
     with caplog.at_level(logging.WARNING, "devplugd.dra"):
         for _ in range(3):
-            slice_devices(plain_pool(["a"]), DRIVER, describer, seen=seen)
-        slice_devices(plain_pool(["a"]), DRIVER, describer)  # no set: logged again
+            slice_devices(trees.pool(THINGS, ["a"]), DRIVER, describer, seen=seen)
+        slice_devices(trees.pool(THINGS, ["a"]), DRIVER, describer)  # no set: logged again
     assert len(dra_messages(caplog)) == 2
 
 
@@ -249,7 +247,7 @@ def bodies(devices: list[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]
 
 
 def test_300_devices_are_three_slices_of_one_generation_in_order() -> None:
-    devices = slice_devices(plain_pool([f"dev-{index:03}" for index in range(300)]), DRIVER, None)
+    devices = slice_devices(trees.pool(THINGS, [f"dev-{index:03}" for index in range(300)]), DRIVER, None)
     slices = bodies(devices)
     assert [len(body["spec"]["devices"]) for body in slices] == [128, 128, 44]
     assert [body["spec"]["pool"] for body in slices] == [
@@ -260,7 +258,7 @@ def test_300_devices_are_three_slices_of_one_generation_in_order() -> None:
 
 
 def test_a_slice_is_owned_by_its_node_and_says_who_made_it() -> None:
-    (body,) = bodies(slice_devices(plain_pool(["a"]), DRIVER, None))
+    (body,) = bodies(slice_devices(trees.pool(THINGS, ["a"]), DRIVER, None))
     assert body["apiVersion"] == "resource.k8s.io/v1" and body["kind"] == "ResourceSlice"
     assert body["metadata"]["ownerReferences"] == [
         {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": NODE_UID, "controller": True}]
@@ -280,7 +278,7 @@ def test_an_empty_pool_is_one_empty_slice() -> None:
 
 
 def test_a_smaller_slice_size_is_honoured_and_a_bad_one_refused() -> None:
-    devices = slice_devices(plain_pool([f"d{index}" for index in range(5)]), DRIVER, None)
+    devices = slice_devices(trees.pool(THINGS, [f"d{index}" for index in range(5)]), DRIVER, None)
     assert [len(body["spec"]["devices"]) for body in bodies(devices, max_devices=2)] == [2, 2, 1]
     for bad in (0, 129):
         with pytest.raises(ValueError, match="max_devices"):
@@ -317,7 +315,7 @@ class CountingDescriber:
 
 
 def test_a_memo_describes_again_only_the_devices_whose_record_changed() -> None:
-    pool = plain_pool(["kvm-0", "kvm-1", "kvm-2"])
+    pool = trees.pool(THINGS, ["kvm-0", "kvm-1", "kvm-2"])
     describer = CountingDescriber()
     memo: dict[str, Any] = {}
     first = slice_devices(pool, DRIVER, describer, memo=memo)  # type: ignore[arg-type]

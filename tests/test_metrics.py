@@ -12,7 +12,6 @@ import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import pytest
 import trio
@@ -20,12 +19,13 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
-from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, ResourcePool
+from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo
 from daemon.core._notifier import TreeStream
 from daemon.core._tree import DeviceTree
 from daemon.deviceplugin._servicer import listing_scope
 from daemon.metrics import CHANGED, FAILED, IGNORED, UNCHANGED, Liveness, Metrics, MetricsServer, metrics_outcome
 from daemon.settings import parse_host_port
+from tests.trees import pool, tree
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,6 @@ class PciRecord:
     """A handler's device record that names a PCI address, as PciDetails does."""
 
     pci_address: str
-
-
-def pool(resource: str, devices: dict[str, DeviceInfo], **holds: frozenset[str]) -> ResourcePool:
-    return ResourcePool(resource, "test", None, MappingProxyType(devices), **holds)  # type: ignore[arg-type]
 
 
 def vf(address: str, health: str = HEALTHY, numa: tuple[int, ...] = (0,)) -> DeviceInfo:
@@ -64,7 +60,7 @@ def two_pools() -> DeviceTree:
         "0000:3b:02.3": vf("0000:3b:02.3", numa=()),
     }, leased=frozenset({"0000:3b:02.2"}), claimed=frozenset({"0000:3b:02.3"}))
     serial = pool("example.com/tty", {"port-1-4": DeviceInfo()})
-    return DeviceTree.build(7, [dpdk, serial])
+    return tree(dpdk, serial, version=7)
 
 
 def test_pool_gauges_count_devices_healthy_leased_and_claimed_per_resource():
@@ -130,8 +126,8 @@ def test_a_missing_or_bad_checkpoint_gives_no_allocation_series_and_one_log_line
 
 
 def test_a_scrape_while_the_tree_changes_sees_one_whole_tree():
-    small = DeviceTree.build(1, [pool("a/x", {"d0": DeviceInfo()})])
-    big = DeviceTree.build(2, [pool("a/x", {f"d{i}": DeviceInfo(health=UNHEALTHY) for i in range(200)})])
+    small = tree(pool("a/x", ["d0"]), version=1)
+    big = tree(pool("a/x", [f"d{i}" for i in range(200)], unhealthy=[f"d{i}" for i in range(200)]), version=2)
     metrics = Metrics()
     stop = threading.Event()
 
@@ -178,10 +174,10 @@ def test_an_event_outcome_is_the_worst_of_its_folds():
 
 def test_a_conflated_list_answers_its_oldest_event():
     def stamped(version: int, devices: dict[str, DeviceInfo], arrival: float) -> DeviceTree:
-        return DeviceTree.build(version, [pool("a/x", devices)], arrival)
+        return tree(pool("a/x", devices), version=version, arrival=arrival)
 
     async def run() -> tuple[float | None, float | None]:
-        stream = TreeStream(listing_scope("a/x", "test"), DeviceTree.build(1, [pool("a/x", {})]))
+        stream = TreeStream(listing_scope("a/x", "test"), tree(pool("a/x", []), version=1))
         stream.offer(stamped(2, {"d1": DeviceInfo()}, 10.0))
         stream.offer(stamped(3, {"d1": DeviceInfo(), "d2": DeviceInfo()}, 11.0))  # replaces the first
         await stream.next(last_sent=0.0)

@@ -6,22 +6,21 @@ import json
 import logging
 import signal
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import pytest
 
-from daemon.core import DeviceInfo, ResourcePool
-from daemon.core._tree import DeviceTree
+from daemon.core import ResourcePool
 from daemon.nfd import FILE_NAME, NfdFeatures, features_text, label_names
+from tests import trees
 from tests.devnodes import mknod
 from tests.fakesysfs import FakeHost
 
 
 def pool(resource: str, count: int, vanished: int = 0) -> ResourcePool:
-    devices = {f"d{index}": DeviceInfo() for index in range(count)}
-    return ResourcePool(resource, "test", None, MappingProxyType(devices),
-                        vanished=frozenset(list(devices)[:vanished]))
+    """``resource`` with ``count`` plain devices, the first ``vanished`` of them vanished."""
+    device_ids = [f"d{index}" for index in range(count)]
+    return trees.pool(resource, device_ids, vanished=device_ids[:vanished])
 
 
 def lines(text: str) -> list[str]:
@@ -29,7 +28,7 @@ def lines(text: str) -> list[str]:
 
 
 def test_each_pool_has_its_count_and_present_while_it_has_devices() -> None:
-    tree = DeviceTree.build(1, [pool("intel.com/sriov_vfs", 8), pool("devplugd.io/kvm", 0)])
+    tree = trees.tree(pool("intel.com/sriov_vfs", 8), pool("devplugd.io/kvm", 0), version=1)
     assert lines(features_text(tree)) == [
         "devplugd.io/kvm.count=0",
         "devplugd.io/sriov_vfs.present=true",
@@ -38,7 +37,7 @@ def test_each_pool_has_its_count_and_present_while_it_has_devices() -> None:
 
 
 def test_vanished_devices_kept_for_a_pod_do_not_count() -> None:
-    tree = DeviceTree.build(1, [pool("intel.com/usb", 2, vanished=2)])
+    tree = trees.tree(pool("intel.com/usb", 2, vanished=2), version=1)
     assert lines(features_text(tree)) == ["devplugd.io/usb.count=0"]
 
 
@@ -52,16 +51,16 @@ def test_names_are_made_valid_and_pools_of_the_same_name_keep_their_prefix() -> 
 def test_the_file_is_written_only_where_nfd_is_and_only_when_it_changes(tmp_path: Path) -> None:
     directory = tmp_path / "features.d"
     labels = NfdFeatures(directory)
-    tree = DeviceTree.build(1, [pool("intel.com/kvm", 3)])
+    tree = trees.tree(pool("intel.com/kvm", 3), version=1)
     labels.update(tree)
     assert not directory.exists()  # NFD is not installed: nothing is made
     directory.mkdir()
     labels.update(tree)
     written = (directory / FILE_NAME).stat()
     assert (directory / FILE_NAME).read_text() == "devplugd.io/kvm.present=true\ndevplugd.io/kvm.count=3\n"
-    labels.update(DeviceTree.build(2, [pool("intel.com/kvm", 3)]))
+    labels.update(trees.tree(pool("intel.com/kvm", 3), version=2))
     assert (directory / FILE_NAME).stat().st_ino == written.st_ino  # same content: not rewritten
-    labels.update(DeviceTree.build(3, [pool("intel.com/kvm", 1)]))
+    labels.update(trees.tree(pool("intel.com/kvm", 1), version=3))
     assert (directory / FILE_NAME).read_text().endswith("devplugd.io/kvm.count=1\n")
     assert [p.name for p in directory.iterdir()] == [FILE_NAME]  # no temporary file left
 
@@ -72,10 +71,10 @@ def test_a_file_that_cannot_be_written_is_one_error_line(tmp_path: Path, caplog:
     labels = NfdFeatures(directory)
     caplog.set_level(logging.ERROR, logger="devplugd.nfd")
     for version in range(3):
-        labels.update(DeviceTree.build(version, [pool("intel.com/kvm", version)]))
+        labels.update(trees.tree(pool("intel.com/kvm", version), version=version))
     assert len([r for r in caplog.records if "cannot write node labels" in r.getMessage()]) == 1
     (directory / FILE_NAME).rmdir()
-    labels.update(DeviceTree.build(9, [pool("intel.com/kvm", 9)]))
+    labels.update(trees.tree(pool("intel.com/kvm", 9), version=9))
     assert (directory / FILE_NAME).read_text().endswith("devplugd.io/kvm.count=9\n")
 
 
