@@ -108,8 +108,10 @@ def test_a_device_nobody_offers_says_why(explained_host, short_tmp, run_daemon):
 
     said = lines_of(cli(short_tmp, "explain", "/dev/kvm"))
     assert said["/dev/kvm"] == "no character or block device node /dev/kvm on this host"
-    assert said["pool devplugd.io/kvm"] == ("its selectors would take /dev/kvm, but this host has no such node "
-                                            "(under --dev-root)")
+    assert said["pool devplugd.io/kvm"] == ("left out: its selectors would take /dev/kvm, but this host has no such "
+                                            "node (under --dev-root)")
+    assert said["=>"] == ("no pool offers it: devplugd.io/kvm: its selectors would take /dev/kvm, but this host has "
+                          "no such node (under --dev-root)")
 
     unknown = cli(short_tmp, "explain", "0000:99:00.0")
     assert unknown.returncode == 0, unknown.stderr

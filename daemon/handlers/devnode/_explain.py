@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from daemon.core import (
     LEFT_OUT,
-    REFUSED,
     TOOK,
     ConfiguredPool,
     Explanation,
@@ -80,7 +79,7 @@ def explain(facts: Facts, pools: Sequence[ConfiguredPool[DevNodePoolSpec]], name
 
     def placed(pool: ConfiguredPool[DevNodePoolSpec]) -> PoolVerdict:
         if record is None:
-            return PoolVerdict(pool.resource, REFUSED, f"its selectors would take {DEV_PREFIX}{relative}, but this "
+            return PoolVerdict(pool.resource, LEFT_OUT, f"its selectors would take {DEV_PREFIX}{relative}, but this "
                                "host has no such node (under --dev-root)")
         return _taken(pool.resource, record, offered)
 
