@@ -7,13 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import trio
-
 from daemon.checkpoint import CheckpointReader
 from daemon.core import ConfiguredPool, DeviceInfo, Event, PoolEntry, Resync
 from daemon.holdings import CLAIM, Holder, HoldingBook, Holdings, LostBook
 from daemon.metrics import Metrics
 from tests.kubelet import write_checkpoint_entries
+from tests.waiting import wait_until_async
 
 
 class CountingHandler:
@@ -53,9 +52,8 @@ class CountingHandler:
 
 
 async def wait_for_socket(directory: Path, resource: str, *, present: bool = True) -> None:
-    with trio.fail_after(5):
-        while bool(list(directory.glob(f"devplugd-{resource}-*.sock"))) != present:
-            await trio.sleep(0.01)
+    await wait_until_async(lambda: bool(list(directory.glob(f"devplugd-{resource}-*.sock"))) == present, 5,
+                           f"{resource}'s socket {'served' if present else 'gone'}", interval=0.01)
 
 
 def write_checkpoint(directory: Path, *device_ids: str, resource: str = "example.com/things") -> None:
@@ -94,9 +92,8 @@ def batches(metrics: Metrics) -> int:
 
 
 async def wait_for_batches(metrics: Metrics, count: int, timeout: float = 5.0) -> None:
-    with trio.fail_after(timeout):
-        while batches(metrics) < count:
-            await trio.sleep(0.001)
+    await wait_until_async(lambda: batches(metrics) >= count, timeout, f"{count} batches of events handled",
+                           interval=0.001)
 
 
 def reloads(metrics: Metrics) -> int:

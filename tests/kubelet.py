@@ -65,6 +65,7 @@ from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as dra_health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from daemon.core._names import extended_resource_name_problem
+from tests.waiting import wait_until
 
 CHECKPOINT = "kubelet_internal_checkpoint"
 
@@ -241,14 +242,11 @@ class FakeKubelet:
         self._thread.join(5)
 
     def wait_for(self, predicate: Callable[[FakeKubelet], bool], timeout: float = 10.0, what: str = "") -> None:
-        deadline = time.monotonic() + timeout
+        """Until ``predicate(self)`` holds, woken by every change the stand-in sees."""
         with self._condition:
-            while not predicate(self):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(f"kubelet stand-in: timed out waiting for {what or predicate}; "
-                                         f"resources={self.snapshot()}")
-                self._condition.wait(remaining)
+            wait_until(lambda: predicate(self), timeout,
+                       lambda: f"kubelet stand-in: {what or predicate}; resources={self.snapshot()}",
+                       condition=self._condition)
 
     def write_checkpoint(self, allocated: dict[str, list[str]], pod: str = "uid-1", container: str = "app") -> None:
         """The checkpoint with ``allocated`` (resource -> device IDs) held by one pod's container."""

@@ -94,15 +94,19 @@ class SlowDisk:
                                 f"(.ci/run and scripts/bootstrap --tests install it)\n{probe.stderr}")
 
     def _wait_mounted(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.mounted:
+        from tests.waiting import wait_until  # not at the top: the FUSE server runs this file on its own
+
+        def mounted() -> bool:
             assert self._process is not None
-            if self._process.poll() is not None:
+            if not self.mounted and self._process.poll() is not None:
                 raise SlowDiskError(f"the FUSE server exited {self._process.returncode} before mounting "
                                     f"{self.path}:\n{self.server_log}")
-            if time.monotonic() > deadline:
-                raise SlowDiskError(f"{self.path} not mounted after {timeout}s:\n{self.server_log}")
-            time.sleep(0.02)
+            return self.mounted
+
+        try:
+            wait_until(mounted, timeout)
+        except AssertionError:
+            raise SlowDiskError(f"{self.path} not mounted after {timeout}s:\n{self.server_log}") from None
 
     @property
     def mounted(self) -> bool:
@@ -147,14 +151,11 @@ class SlowDisk:
 
     def wait_for_fsync(self, predicate=lambda fsync: fsync.ended is None, timeout: float = 10.0) -> Fsync:
         """The first fsync that satisfies ``predicate`` (default: one still sleeping), waiting for it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for fsync in self.fsyncs():
-                if predicate(fsync):
-                    return fsync
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no matching fsync on {self.path} in {timeout}s; saw {self.fsyncs()}")
-            time.sleep(0.01)
+        from tests.waiting import wait_until  # not at the top: the FUSE server runs this file on its own
+
+        found: Fsync = wait_until(lambda: next((fsync for fsync in self.fsyncs() if predicate(fsync)), None), timeout,
+                                  lambda: f"a matching fsync on {self.path}; saw {self.fsyncs()}", interval=0.01)
+        return found
 
     def close(self) -> None:
         if self._control.exists():
