@@ -5,7 +5,13 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from tests.waiting import wait_until
+
+T = TypeVar("T")
 
 
 class NotifySocket:
@@ -35,22 +41,13 @@ class NotifySocket:
         self.socket.shutdown(socket.SHUT_RDWR)
         self.socket.close()
 
-    def read_until(self, predicate, timeout: float = 10.0) -> str:
-        deadline = time.monotonic() + timeout
-        with self._condition:
-            while True:
-                for _, message in self.messages:
-                    if predicate(message):
-                        return message
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(f"no matching notification; got {self.messages}")
-                self._condition.wait(remaining)
+    def read_until(self, predicate: Callable[[str], bool], timeout: float = 10.0) -> str:
+        """The first message so far that satisfies ``predicate``, waiting for it."""
+        return self.wait_for(lambda texts: next((text for text in texts if predicate(text)), None), timeout,
+                             "a matching notification")
 
-    def drain(self, seconds: float) -> list[str]:
-        """Everything that arrives in the next ``seconds``."""
+    def wait_for(self, holds: Callable[[list[str]], T], timeout: float = 10.0, what: str = "") -> T:
+        """``holds(messages)`` (the texts so far, in order) once it is true, woken by each new one."""
         with self._condition:
-            start = len(self.messages)
-        time.sleep(seconds)
-        with self._condition:
-            return [message for _, message in self.messages[start:]]
+            return wait_until(lambda: holds([text for _, text in self.messages]), timeout,
+                              lambda: f"{what}; got {self.messages}", condition=self._condition)
