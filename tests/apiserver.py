@@ -9,23 +9,23 @@ state sits behind one lock whose condition is notified on every change and every
 * ``GET /api/v1/nodes/{name}`` (``add_node``) and ``GET``/``PUT .../status`` of
   ``resource.k8s.io/v1`` ResourceClaims (``put_claim``), which the test plays the scheduler for.
 * ResourceSlices (cluster-scoped): get, list (``fieldSelector`` on ``metadata.name``,
-  ``spec.driver``, ``spec.nodeName``; ``labelSelector``; ``limit``/``continue``), watch,
-  create (``generateName``), update, patch (merge, strategic merge as merge, JSON patch),
-  delete (preconditions) and deletecollection (the kubelet's wipe), with upstream's validation
-  (``pkg/apis/resource/validation``) answering 422 ``Invalid`` with ``details.causes``.
+  ``spec.driver``, ``spec.nodeName``), watch (bookmarks on ``bookmark()``), create
+  (``generateName``), update (PUT) and delete (preconditions), the kubelet's wipe (``wipe``), with
+  upstream's validation (``pkg/apis/resource/validation``) answering 422 ``Invalid`` with
+  ``details.causes``.
 * One global resourceVersion counter as etcd's revision; every write bumps it. Watches get
   events after their resourceVersion from a bounded history (410 ``Expired`` before it), in
-  order, filtered by their selectors, newline-delimited JSON in chunked transfer encoding.
-* Unknown fields are dropped with a ``Warning`` header (``fieldValidation=Strict``: 400), and
-  fields behind feature gates that are off are dropped silently, as upstream's strategy does.
+  order, filtered by their field selector, newline-delimited JSON in chunked transfer encoding.
+* Unknown fields are dropped with a ``Warning`` header, and the fields behind a feature gate
+  that is off (device taints, consumable capacity) are dropped silently, as upstream's strategy does.
 * Faults (``fail_next``), a server that goes away (``down``/``up``), a bearer token (401).
 
-Not modelled, so refused or left out rather than faked: ``dryRun`` and list
-``resourceVersionMatch=Exact`` at an older version (400), RBAC and the node authorizer (one token;
-upstream answers a missing token with 403 as system:anonymous, this with 401), TLS, discovery,
-protobuf, server-side apply, finalizers and graceful deletion, managedFields, quantity
-canonicalization, strategic-merge directives, watches of claims or nodes, other API versions, and
-the scheduler (claims are what the test puts).
+This is what the daemon's client (``daemon/dra/_kube.py``) calls, and what the next DRA work needs
+(taints and shared devices in slices, per-slice updates, claim status); nothing else is modelled
+(PATCH, label selectors, paging, deletecollection over HTTP, dryRun, discovery, RBAC, TLS,
+protobuf, server-side apply, finalizers, managedFields, watches of claims or nodes, other API
+versions, the scheduler): a request for it is answered as a server without it would, or its
+options are ignored.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import functools
 import json
 import random
 import re
-import secrets
 import selectors
 import socket
 import threading
@@ -52,15 +51,19 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import trio
 
+from tests.waiting import wait_until
+
 T = TypeVar("T")
 
 GROUP = "resource.k8s.io"
 API_VERSION = f"{GROUP}/v1"
 SLICES_PATH = f"/apis/{API_VERSION}/resourceslices"
-# Gates whose fields a node-local driver could send (strategy.go dropDisabledFields); all were
-# alpha and off by default in 1.34 and 1.35, the releases modelled here.
-FEATURE_GATES = frozenset({"DRADeviceTaints", "DRAPartitionableDevices", "DRADeviceBindingConditions",
-                           "DRAConsumableCapacity"})
+HISTORY = 1000  # events a watch can resume from; compact() drops them all
+CLAIM_DEVICE_CLASS = "devplugd.example.com"  # of every request of a claim put_claim makes
+WATCH_TIMEOUT = 1800.0  # a watch without timeoutSeconds ends after this (the server's own limit)
+# Gates whose fields the daemon sends or will (strategy.go dropDisabledFields): device taints and
+# consumable capacity, alpha and off by default in 1.34 and 1.35.
+FEATURE_GATES = frozenset({"DRADeviceTaints", "DRAConsumableCapacity"})
 
 _NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # k8s.io/apimachinery utilrand: no vowels
 _TRUE = {"1", "t", "T", "true", "TRUE", "True"}  # Go's strconv.ParseBool
@@ -83,7 +86,7 @@ def _now() -> str:
 
 # -- Status ------------------------------------------------------------------------------------
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed",
-            409: "Conflict", 410: "Expired", 415: "UnsupportedMediaType", 422: "Invalid", 429: "TooManyRequests",
+            409: "Conflict", 410: "Expired", 422: "Invalid", 429: "TooManyRequests",
             500: "InternalError", 503: "ServiceUnavailable", 504: "Timeout"}
 
 
@@ -363,17 +366,6 @@ def _validate_taint(taint: Mapping[str, Any], path: str) -> list[FieldError]:
     return errors
 
 
-def _validate_counters(counters: Mapping[str, Any] | None, path: str, limit: int) -> list[FieldError]:
-    if not counters:
-        return [_required(path)]
-    if len(counters) > limit:
-        return [_too_many(path, len(counters), limit)]
-    errors: list[FieldError] = []
-    for name in counters:
-        errors += _each(path, name, _dns_label(name))
-    return errors
-
-
 def _validate_named_set(items: Sequence[Mapping[str, Any]], key: str, limit: int, path: str,
                         validate: Callable[[Mapping[str, Any], str], list[FieldError]]) -> list[FieldError]:
     """validateSet: too many items short-circuits; then each item; then duplicates by ``key``."""
@@ -391,19 +383,7 @@ def _validate_named_set(items: Sequence[Mapping[str, Any]], key: str, limit: int
     return errors
 
 
-def _validate_counter_set(counter_set: Mapping[str, Any], path: str) -> list[FieldError]:
-    name = counter_set.get("name", "")
-    errors = _each(f"{path}.name", name, _dns_label(name)) if name else [_required(f"{path}.name")]
-    return errors + _validate_counters(counter_set.get("counters"), f"{path}.counters", 32)
-
-
-def _validate_consumption(consumption: Mapping[str, Any], path: str) -> list[FieldError]:
-    name = consumption.get("counterSet", "")
-    errors = _each(f"{path}.counterSet", name, _dns_label(name)) if name else [_required(f"{path}.counterSet")]
-    return errors + _validate_counters(consumption.get("counters"), f"{path}.counters", 32)
-
-
-def _validate_device(device: Mapping[str, Any], path: str, per_device_node_selection: bool) -> list[FieldError]:
+def _validate_device(device: Mapping[str, Any], path: str) -> list[FieldError]:
     name = device.get("name", "")
     errors = _each(f"{path}.name", name, _dns_label(name))
     attributes = device.get("attributes") or {}
@@ -425,30 +405,6 @@ def _validate_device(device: Mapping[str, Any], path: str, per_device_node_selec
     else:
         for index, taint in enumerate(taints):
             errors += _validate_taint(taint, f"{path}.taints[{index}]")
-    errors += _validate_named_set(device.get("consumesCounters") or [], "counterSet", 2, f"{path}.consumesCounters",
-                                  _validate_consumption)
-    placement = [f"`{key}`" for key in ("nodeName", "nodeSelector", "allNodes") if key in device]
-    if per_device_node_selection:
-        if device.get("nodeName") == "":
-            errors.append(_invalid(f"{path}.nodeName", "", "must not be empty"))
-            placement.remove("`nodeName`")
-        elif "nodeName" in device:
-            errors += _each(f"{path}.nodeName", device["nodeName"], _dns_subdomain(device["nodeName"]))
-        if device.get("allNodes") is False:
-            errors.append(_invalid(f"{path}.allNodes", False, "must be either unset or set to true"))
-            placement.remove("`allNodes`")
-        rule = ("exactly one of `nodeName`, `nodeSelector`, or `allNodes` is required when "
-                "`perDeviceNodeSelection` is set to true in the ResourceSlice spec")
-        if not placement:
-            errors.append(_required(path, rule))
-        elif len(placement) > 1:
-            errors.append(_invalid(path, "{" + ", ".join(placement) + "}", rule))
-    elif placement:
-        errors.append(_invalid(path, None, "`nodeName`, `nodeSelector` and `allNodes` can only be set if "
-                                           "`perDeviceNodeSelection` is set to true in the ResourceSlice spec"))
-    for key in ("bindingConditions", "bindingFailureConditions"):
-        if len(device.get(key) or []) > 4:
-            errors.append(_too_many(f"{path}.{key}", len(device[key]), 4))
     return errors
 
 
@@ -524,26 +480,19 @@ def validate_resource_slice(obj: Mapping[str, Any], old: Mapping[str, Any] | Non
         if len(terms) != 1:
             errors.append(_invalid("spec.nodeSelector.nodeSelectorTerms", terms,
                                    "must have exactly one node selector term"))
-    for key in ("allNodes", "perDeviceNodeSelection"):
-        if key in spec:
-            if spec[key]:
-                placement.append(f"`{key}`")
-            else:
-                errors.append(_invalid(f"spec.{key}", False, "must be either unset or set to true"))
+    if "allNodes" in spec:
+        if spec["allNodes"]:
+            placement.append("`allNodes`")
+        else:
+            errors.append(_invalid("spec.allNodes", False, "must be either unset or set to true"))
     rule = "exactly one of `nodeName`, `nodeSelector`, `allNodes`, `perDeviceNodeSelection` is required"
     if not placement:
         errors.append(_required("spec", rule))
     elif len(placement) > 1:
         errors.append(_invalid("spec", "{" + ", ".join(placement) + "}", f"{rule}, but multiple fields are set"))
-    if "sharedCounters" in spec and "devices" in spec:
-        errors.append(_invalid("spec", "", "only one of `sharedCounters` or `devices` is allowed"))
     devices = spec.get("devices") or []
-    advanced = any(device.get("taints") or device.get("consumesCounters") for device in devices)
-    per_device = bool(spec.get("perDeviceNodeSelection"))
-    errors += _validate_named_set(devices, "name", 64 if advanced else 128, "spec.devices",
-                                  lambda device, path: _validate_device(device, path, per_device))
-    errors += _validate_named_set(spec.get("sharedCounters") or [], "name", 8, "spec.sharedCounters",
-                                  _validate_counter_set)
+    tainted = any(device.get("taints") for device in devices)  # a slice with a taint holds at most 64
+    errors += _validate_named_set(devices, "name", 64 if tainted else 128, "spec.devices", _validate_device)
     return errors
 
 
@@ -551,27 +500,10 @@ def _drop_disabled_fields(spec: dict[str, Any], old_spec: Mapping[str, Any] | No
     """dropDisabledFields: a gate that is off drops its fields, unless the stored object uses them."""
     devices = spec.get("devices") or []
     old_devices = (old_spec or {}).get("devices") or []
-
-    def in_use(*keys: str) -> bool:
-        return any(key in device for device in old_devices for key in keys)
-
     if "DRADeviceTaints" not in gates and not any(device.get("taints") for device in old_devices):
         for device in devices:
             device.pop("taints", None)
-    partitionable = ("consumesCounters", "nodeName", "nodeSelector", "allNodes")
-    if ("DRAPartitionableDevices" not in gates and not in_use(*partitionable)
-            and not (old_spec or {}).get("sharedCounters") and "perDeviceNodeSelection" not in (old_spec or {})):
-        spec.pop("sharedCounters", None)
-        spec.pop("perDeviceNodeSelection", None)
-        for device in devices:
-            for key in partitionable:
-                device.pop(key, None)
-    binding = ("bindingConditions", "bindingFailureConditions", "bindsToNode")
-    if "DRADeviceBindingConditions" not in gates and not in_use(*binding):
-        for device in devices:
-            for key in binding:
-                device.pop(key, None)
-    if ("DRAConsumableCapacity" not in gates and not in_use("allowMultipleAllocations")
+    if ("DRAConsumableCapacity" not in gates and not any("allowMultipleAllocations" in d for d in old_devices)
             and not any("requestPolicy" in c for d in old_devices for c in (d.get("capacity") or {}).values())):
         for device in devices:
             device.pop("allowMultipleAllocations", None)
@@ -589,25 +521,21 @@ class _ListOf(NamedTuple):
 
 
 _ANY, _QUANTITY = "any", "quantity"
-_COUNTERS = _MapOf({"value": _QUANTITY})
 _OBJECT_META = {"name": str, "generateName": str, "namespace": str, "selfLink": str, "uid": str,
                 "resourceVersion": str, "generation": int, "creationTimestamp": str, "deletionTimestamp": str,
                 "deletionGracePeriodSeconds": int, "labels": _MapOf(str), "annotations": _MapOf(str),
                 "ownerReferences": _ListOf({"apiVersion": str, "kind": str, "name": str, "uid": str,
                                             "controller": bool, "blockOwnerDeletion": bool}),
                 "finalizers": _ListOf(str), "managedFields": _ANY}
+# The fields of partitionable devices and binding conditions are left out: unknown fields here.
 _DEVICE = {"name": str, "attributes": _MapOf({"int": int, "bool": bool, "string": str, "version": str}),
            "capacity": _MapOf({"value": _QUANTITY, "requestPolicy": _ANY}),
-           "consumesCounters": _ListOf({"counterSet": str, "counters": _COUNTERS}),
-           "nodeName": str, "nodeSelector": _ANY, "allNodes": bool,
            "taints": _ListOf({"key": str, "value": str, "effect": str, "timeAdded": str}),
-           "bindsToNode": bool, "bindingConditions": _ListOf(str), "bindingFailureConditions": _ListOf(str),
            "allowMultipleAllocations": bool}
 _RESOURCE_SLICE = {
     "apiVersion": str, "kind": str, "metadata": _OBJECT_META,
     "spec": {"driver": str, "pool": {"name": str, "generation": int, "resourceSliceCount": int},
-             "nodeName": str, "nodeSelector": _ANY, "allNodes": bool, "perDeviceNodeSelection": bool,
-             "devices": _ListOf(_DEVICE), "sharedCounters": _ListOf({"name": str, "counters": _COUNTERS})}}
+             "nodeName": str, "nodeSelector": _ANY, "allNodes": bool, "devices": _ListOf(_DEVICE)}}
 _JSON_TYPES = {str: "string", int: "int64", bool: "bool", dict: "object", list: "array"}
 
 
@@ -699,83 +627,8 @@ def _field_selector(text: str) -> _Predicate:
     return lambda obj: all((get(obj) == value) != negated for get, negated, value in requirements)
 
 
-def _label_selector(text: str) -> _Predicate:
-    """labels.Parse: ``k``, ``!k``, ``k=v``, ``k==v``, ``k!=v``, ``k in (a,b)``, ``k notin (a,b)``."""
-    terms = re.findall(r"(?:[^,(]|\([^)]*\))+", text) if text.strip() else []
-    requirements: list[Callable[[Mapping[str, str]], bool]] = []
-    for term in (t.strip() for t in terms):
-        if match := re.fullmatch(r"(!?)\s*([\w./-]+)", term):
-            negated, key = match.groups()
-            requirements.append(lambda labels, k=key, n=bool(negated): (k in labels) != n)
-        elif match := re.fullmatch(r"([\w./-]+)\s*(==|=|!=)\s*([\w.-]*)", term):
-            key, operator, value = match.groups()
-            requirements.append(lambda labels, k=key, v=value, n=operator == "!=": (labels.get(k) == v) != n)
-        elif match := re.fullmatch(r"([\w./-]+)\s+(in|notin)\s*\(([^)]*)\)", term):
-            key, operator, values = match.groups()
-            allowed = {v.strip() for v in values.split(",") if v.strip()}
-            if operator == "in":
-                requirements.append(lambda labels, k=key, a=allowed: labels.get(k) in a)
-            else:
-                requirements.append(lambda labels, k=key, a=allowed: labels.get(k) not in a)
-        else:
-            raise ApiError(400, f'unable to parse requirement: "{term}"')
-    return lambda obj: all(requirement(obj["metadata"].get("labels") or {}) for requirement in requirements)
-
-
 def _selector(query: Mapping[str, str]) -> _Predicate:
-    by_field = _field_selector(query.get("fieldSelector", ""))
-    by_label = _label_selector(query.get("labelSelector", ""))
-    return lambda obj: by_field(obj) and by_label(obj)
-
-
-# -- patches -----------------------------------------------------------------------------------
-def _merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = _merge_patch(result.get(key), value)
-    return result
-
-
-def _json_patch(document: Any, operations: Any) -> Any:
-    """RFC 6902: add, remove, replace, test (move and copy are not modelled)."""
-    if not isinstance(operations, list):
-        raise ApiError(400, "json patch must be a list of operations")
-    for operation in operations:
-        op, pointer = operation.get("op"), operation.get("path", "")
-        keys = [part.replace("~1", "/").replace("~0", "~") for part in pointer.split("/")[1:]]
-        if not keys:
-            raise ApiError(422, f"json patch: path {pointer!r} not supported")
-        parent = document
-        try:
-            for key in keys[:-1]:
-                parent = parent[int(key)] if isinstance(parent, list) else parent[key]
-            last: Any = keys[-1]
-            if isinstance(parent, list):
-                last = len(parent) if last == "-" else int(last)
-            if op == "test":
-                if parent[last] != operation.get("value"):
-                    raise ApiError(422, f"json patch: test failed at {pointer}")
-            elif op == "remove":
-                del parent[last]
-            elif op == "replace":
-                _ = parent[last]  # it must exist
-                parent[last] = operation.get("value")
-            elif op == "add":
-                if isinstance(parent, list):
-                    parent.insert(last, operation.get("value"))
-                else:
-                    parent[last] = operation.get("value")
-            else:
-                raise ApiError(422, f"json patch: operation {op!r} not supported by the stand-in")
-        except (KeyError, IndexError, ValueError, TypeError):
-            raise ApiError(422, f"json patch: path {pointer} does not exist") from None
-    return document
+    return _field_selector(query.get("fieldSelector", ""))
 
 
 # -- stored objects and watches ----------------------------------------------------------------
@@ -818,18 +671,15 @@ class _Event:
     rv: int
     type: str  # ADDED, MODIFIED, DELETED
     stored: _Stored
-    previous: _Stored | None  # the state before a MODIFIED
 
 
 def _event_line(kind: str, raw_object: bytes) -> bytes:
     return b'{"type":"%s","object":%s}\n' % (kind.encode(), raw_object)
 
 
-def _bookmark_line(rv: int, initial_events_end: bool = False) -> bytes:
-    metadata: dict[str, Any] = {"resourceVersion": str(rv)}
-    if initial_events_end:
-        metadata["annotations"] = {"k8s.io/initial-events-end": "true"}
-    return _event_line("BOOKMARK", _dumps({"kind": "ResourceSlice", "apiVersion": API_VERSION, "metadata": metadata,
+def _bookmark_line(rv: int) -> bytes:
+    return _event_line("BOOKMARK", _dumps({"kind": "ResourceSlice", "apiVersion": API_VERSION,
+                                           "metadata": {"resourceVersion": str(rv)},
                                            "spec": {"driver": "", "pool": {"name": "", "generation": 0,
                                                                            "resourceSliceCount": 0}}}))
 
@@ -843,19 +693,10 @@ class _Watcher:
     aborted: bool = False  # drop the connection
 
     def offer(self, event: _Event) -> None:
-        """The cacher's convertToWatchEvent: a MODIFIED that leaves or enters the selection is
-        a DELETED (of the previous state, at the event's resourceVersion) or an ADDED."""
-        now = self.matches(event.stored.obj)
-        before = event.previous is not None and self.matches(event.previous.obj)
-        if event.type != "MODIFIED":
-            if now:
-                self.lines.append(_event_line(event.type, event.stored.full))
-        elif now:
-            self.lines.append(_event_line("MODIFIED" if before else "ADDED", event.stored.full))
-        elif before and event.previous is not None:
-            gone = event.previous.copy()
-            gone["metadata"]["resourceVersion"] = str(event.rv)
-            self.lines.append(_event_line("DELETED", _dumps(gone)))
+        """The fields a watch selects by (name, driver, node) never change: an event is the
+        watch's whole or not at all."""
+        if self.matches(event.stored.obj):
+            self.lines.append(_event_line(event.type, event.stored.full))
 
 
 @dataclass
@@ -891,12 +732,8 @@ class _Response:
 class ApiServer:
     """The stand-in. ``start()`` (or ``with``) listens on 127.0.0.1 (``port`` 0: any free port)."""
 
-    def __init__(self, token: str | None = None, *, port: int = 0, history: int = 1000,
-                 watch_timeout: float = 1800.0, bookmark_interval: float = 60.0,
-                 feature_gates: Iterable[str] = ()) -> None:
+    def __init__(self, token: str | None = None, *, port: int = 0, feature_gates: Iterable[str] = ()) -> None:
         self.token = token
-        self.watch_timeout = watch_timeout
-        self.bookmark_interval = bookmark_interval
         self.feature_gates = frozenset(feature_gates)
         if unknown_gates := self.feature_gates - FEATURE_GATES:
             raise ValueError(f"feature gates not modelled: {sorted(unknown_gates)}")
@@ -905,12 +742,11 @@ class ApiServer:
         self._random = random.Random()
         self._rv = 100  # a real cluster's resourceVersion is never 0, which means "any" to list and watch
         self._floor = self._rv  # watches from a resourceVersion below this are Expired
-        self._history: deque[_Event] = deque(maxlen=history)
+        self._history: deque[_Event] = deque(maxlen=HISTORY)
         self._slices: dict[str, _Stored] = {}
         self._claims: dict[tuple[str, str], _Stored] = {}
         self._nodes: dict[str, _Stored] = {}
         self._watchers: set[_Watcher] = set()
-        self._continues: dict[str, tuple[int, list[_Stored]]] = {}
         self._faults: list[_Fault] = []
         self._requests: list[Request] = []
         self._connections: dict[socket.socket, threading.Thread] = {}
@@ -990,11 +826,10 @@ users:
         return path
 
     # -- test-side state -----------------------------------------------------------------------
-    def add_node(self, name: str, uid: str | None = None, labels: Mapping[str, str] | None = None) -> str:
+    def add_node(self, name: str, uid: str | None = None) -> str:
         uid = uid or str(uuid.uuid4())
         with self._cond:
-            meta = {"name": name, "uid": uid, "resourceVersion": self._bump(), "creationTimestamp": _now(),
-                    **({"labels": dict(labels)} if labels else {})}
+            meta = {"name": name, "uid": uid, "resourceVersion": self._bump(), "creationTimestamp": _now()}
             self._nodes[name] = _Stored({"metadata": meta, "spec": {}, "status": {}}, "Node", "v1")
             self._cond.notify_all()
         return uid
@@ -1007,34 +842,25 @@ users:
 
     def put_claim(self, namespace: str, name: str, uid: str | None = None,
                   results: Sequence[Mapping[str, Any]] | None = None,
-                  config: Sequence[Mapping[str, Any]] | None = None,
-                  reserved_for: Sequence[Mapping[str, Any]] | None = None, *, node: str | None = None,
-                  device_class: str = "devplugd.example.com") -> str:
+                  config: Sequence[Mapping[str, Any]] | None = None) -> str:
         """Create or replace a claim as the scheduler leaves it. ``results`` are
-        ``{request, driver, pool, device[, adminAccess, ...]}``; None means not allocated (no
+        ``{request, driver, pool, device[, adminAccess, ...]}`` (a request ``<main>/<subrequest>``
+        of a prioritized list counts for its main request); None means not allocated (no
         ``status.allocation``). ``config`` entries are ``{source?, requests?, opaque: {driver,
-        parameters}}`` (source defaults to FromClaim); ``reserved_for`` entries ``{resource,
-        name, uid[, apiGroup]}``. ``uid`` defaults to a new one: a replaced claim."""
+        parameters}}`` (source defaults to FromClaim). ``uid`` defaults to a new one: a replaced claim."""
         uid = uid or str(uuid.uuid4())
         counts: dict[str, int] = {}
         for result in results or []:
             request = str(result["request"]).split("/")[0]
             counts[request] = counts.get(request, 0) + 1
-        requests = [{"name": request, "exactly": {"deviceClassName": device_class, "allocationMode": "ExactCount",
+        requests = [{"name": request, "exactly": {"deviceClassName": CLAIM_DEVICE_CLASS, "allocationMode": "ExactCount",
                                                   "count": count}} for request, count in counts.items()]
         status: dict[str, Any] = {}
         if results is not None:
             devices: dict[str, Any] = {"results": [dict(result) for result in results]}
             if config:
                 devices["config"] = [{"source": "FromClaim", **entry} for entry in config]
-            allocation: dict[str, Any] = {"devices": devices}
-            if node is not None:
-                allocation["nodeSelector"] = {"nodeSelectorTerms": [{"matchFields": [
-                    {"key": "metadata.name", "operator": "In", "values": [node]}]}]}
-            allocation["allocationTimestamp"] = _now()
-            status["allocation"] = allocation
-        if reserved_for:
-            status["reservedFor"] = [dict(entry) for entry in reserved_for]
+            status["allocation"] = {"devices": devices, "allocationTimestamp": _now()}
         with self._cond:
             meta = {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": self._bump(),
                     "generation": 1, "creationTimestamp": _now()}
@@ -1079,7 +905,6 @@ users:
         with self._cond:
             self._history.clear()
             self._floor = self._rv
-            self._continues.clear()
 
     def close_watches(self) -> None:
         """End every open watch cleanly, as the server may at any time."""
@@ -1101,8 +926,7 @@ users:
         """Answer the next ``count`` requests whose path (no query) matches ``path_regex``
         (re.search) with a Status of ``status``, after sleeping ``delay`` seconds; with ``status``
         None, sleep and then serve normally. ``method`` is an HTTP method, ``*``, or a
-        Kubernetes verb in lower case (get, list, watch, create, update, patch, delete,
-        deletecollection)."""
+        Kubernetes verb in lower case (get, list, watch, create, update, delete)."""
         with self._cond:
             self._faults.append(_Fault(method, re.compile(path_regex), status, count, delay, message))
 
@@ -1124,20 +948,16 @@ users:
 
     def wait_until(self, predicate: Callable[[], T], timeout: float = 10.0,
                    what: str | Callable[[], str] = "") -> T:
-        """Wait (on the condition every change and request notifies) until ``predicate()`` is
-        true, and return it; AssertionError after ``timeout`` seconds. The predicate runs under
-        the lock (which is reentrant: it may call ``slices()``, ``requests``, ...)."""
-        deadline = time.monotonic() + timeout
+        """:func:`tests.waiting.wait_until` on the condition every change and request notifies,
+        its failure naming the slices and the last requests. The predicate runs under the lock
+        (which is reentrant: it may call ``slices()``, ``requests``, ...)."""
+        def failure() -> str:
+            names = {name: stored.rv for name, stored in sorted(self._slices.items())}
+            return (f"apiserver stand-in: {what() if callable(what) else what}; slices={names}; "
+                    f"last requests={self._requests[-5:]}")
+
         with self._cond:
-            while not (result := predicate()):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    names = {name: stored.rv for name, stored in sorted(self._slices.items())}
-                    raise AssertionError(
-                        f"apiserver stand-in: not within {timeout}s: {what() if callable(what) else what}; "
-                        f"slices={names}; last requests={self._requests[-5:]}")
-                self._cond.wait(remaining)
-            return result
+            return wait_until(predicate, timeout, failure, condition=self._cond)
 
     async def wait_until_async(self, predicate: Callable[[], T], timeout: float = 10.0,
                                what: str | Callable[[], str] = "") -> T:
@@ -1151,14 +971,16 @@ users:
         return str(self._rv)
 
     def _commit(self, kind: str, obj: dict[str, Any], previous: _Stored | None) -> _Stored:
-        """Write one slice change (under the lock): a new resourceVersion, the event, the fan-out."""
+        """Write one slice change (under the lock): a new resourceVersion, the event, the fan-out.
+        ``previous`` is the state it replaces (None: a create), for a subclass that stamps writes
+        (benchmarks.dra_common)."""
         obj["metadata"]["resourceVersion"] = self._bump()
         stored = _slice(obj)
         if kind == "DELETED":
             del self._slices[stored.name]
         else:
             self._slices[stored.name] = stored
-        event = _Event(self._rv, kind, stored, previous)
+        event = _Event(self._rv, kind, stored)
         if self._history.maxlen is not None and len(self._history) == self._history.maxlen:
             self._floor = self._history[0].rv
         self._history.append(event)
@@ -1179,10 +1001,7 @@ users:
                 raise ApiError(400, f"the {key} in the data ({body[key]}) does not match the expected {key} ({want})")
         obj.setdefault("metadata", {})
         obj.setdefault("spec", {})
-        if query.get("fieldValidation") == "Strict" and unknown:
-            raise ApiError(400, "strict decoding error: " + ", ".join(f'unknown field "{u}"' for u in unknown))
-        warnings = [] if query.get("fieldValidation") == "Ignore" else [f'unknown field "{u}"' for u in unknown]
-        return obj, warnings
+        return obj, [f'unknown field "{u}"' for u in unknown]
 
     def _create_slice(self, body: Any, query: Mapping[str, str]) -> tuple[_Stored, list[str]]:
         obj, warnings = self._decode_slice(body, query)
@@ -1237,25 +1056,6 @@ users:
                 return old, warnings  # a no-op update writes nothing
             return self._commit("MODIFIED", obj, old), warnings
 
-    def _patch_slice(self, name: str, body: Any, content_type: str,
-                     query: Mapping[str, str]) -> tuple[_Stored, list[str]]:
-        with self._cond:
-            old = self._slices.get(name)
-            if old is None:
-                raise SLICES.not_found(name)
-            document = old.copy()
-            if content_type == "application/json-patch+json":
-                patched = _json_patch(document, body)
-            elif content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
-                # Every list in a ResourceSlice's spec is atomic, where strategic merge is merge.
-                patched = _merge_patch(document, body)
-            else:
-                raise ApiError(415, f"the body of the request was in an unknown format - accepted media types "
-                                    f"include: application/json-patch+json, application/merge-patch+json, "
-                                    f"application/strategic-merge-patch+json (got {content_type})")
-            # The patched document carries the current resourceVersion unless the patch set one.
-            return self._update_slice(name, patched, query)
-
     def _delete_slice(self, name: str, body: bytes) -> _Stored:
         options = _json_body(body) if body else {}
         preconditions = (options.get("preconditions") or {}) if isinstance(options, dict) else {}
@@ -1278,28 +1078,12 @@ users:
             return [self._commit("DELETED", stored.copy_obj(), stored) for stored in doomed]
 
     def _list(self, query: Mapping[str, str]) -> bytes:
-        token = query.get("continue")
+        matches = _selector(query)
         with self._cond:
-            if token:
-                if token not in self._continues:
-                    raise ApiError(410, "The provided continue parameter is too old to display a consistent list "
-                                        "result. You can start a new list without the continue parameter.")
-                rv, items = self._continues.pop(token)
-            else:
-                matches = _selector(query)
-                rv = self._rv
-                items = [stored for _, stored in sorted(self._slices.items()) if matches(stored.obj)]
-            metadata: dict[str, Any] = {"resourceVersion": str(rv)}
-            limit = int(query.get("limit") or 0)
-            if 0 < limit < len(items):
-                items, rest = items[:limit], items[limit:]
-                token = secrets.token_urlsafe(12)
-                self._continues[token] = (rv, rest)
-                if len(self._continues) > 100:
-                    del self._continues[next(iter(self._continues))]
-                metadata.update({"continue": token, "remainingItemCount": len(rest)})
+            items = [stored.item for _, stored in sorted(self._slices.items()) if matches(stored.obj)]
+            metadata = _dumps({"resourceVersion": str(self._rv)})
         return (b'{"kind":"ResourceSliceList","apiVersion":"%s","metadata":%s,"items":[%s]}'
-                % (API_VERSION.encode(), _dumps(metadata), b",".join(stored.item for stored in items)))
+                % (API_VERSION.encode(), metadata, b",".join(items)))
 
     def _update_claim_status(self, namespace: str, name: str, body: Any) -> _Stored:
         """PUT .../status: only ``status.devices`` is taken, each an allocated device of the claim."""
@@ -1372,7 +1156,7 @@ users:
             if verb == "watch" and collection:
                 self._watch(handler, path, query)
                 return
-            response = self._route(method, parts, query, body, handler.headers.get("Content-Type") or "")
+            response = self._route(method, parts, query, body)
         except ApiError as error:
             response = _Response.of(error)
         except Exception as error:  # noqa: BLE001 -- a bug here must not kill the connection's thread
@@ -1406,19 +1190,7 @@ users:
         if self.token is not None and authorization != f"Bearer {self.token}":
             raise ApiError(401, "Unauthorized")
 
-    def _route(self, method: str, parts: list[str], query: dict[str, str], body: bytes,
-               content_type: str) -> _Response:
-        content_type = content_type.split(";")[0].strip()
-        if query.get("dryRun"):
-            raise ApiError(400, "dryRun is not modelled by the apiserver stand-in")
-        if query.get("resourceVersionMatch") == "Exact" and query.get("resourceVersion") != str(self.resource_version):
-            raise ApiError(400, "resourceVersionMatch=Exact at an older resourceVersion is not modelled by the "
-                                "apiserver stand-in")
-        if parts == ["version"]:
-            return _Response(200, _dumps({"major": "1", "minor": "35", "gitVersion": "v1.35.0-devplugd-standin",
-                                          "platform": "linux/amd64"}))
-        if parts in (["healthz"], ["readyz"], ["livez"]):
-            return _Response(200, b"ok", [("Content-Type", "text/plain")])
+    def _route(self, method: str, parts: list[str], query: dict[str, str], body: bytes) -> _Response:
         if len(parts) == 4 and parts[:3] == ["api", "v1", "nodes"]:
             return self._node(method, parts[3])
         if parts[:3] == ["apis", GROUP, "v1"]:
@@ -1426,7 +1198,7 @@ users:
             if rest == ["resourceslices"]:
                 return self._slices_collection(method, query, body)
             if len(rest) == 2 and rest[0] == "resourceslices":
-                return self._slice_item(method, rest[1], query, body, content_type)
+                return self._slice_item(method, rest[1], query, body)
             if len(rest) in (4, 5) and rest[0] == "namespaces" and rest[2] == "resourceclaims" and rest[4:] in (
                     [], ["status"]):
                 return self._claim(method, rest[1], rest[3], bool(rest[4:]), body)
@@ -1458,15 +1230,9 @@ users:
         if method == "POST":
             stored, warnings = self._create_slice(_json_body(body), query)
             return _Response(201, stored.full, _warning_headers(warnings))
-        if method == "DELETE":
-            deleted = self._delete_collection(query)
-            return _Response(200, b'{"kind":"ResourceSliceList","apiVersion":"%s","metadata":{"resourceVersion":'
-                                  b'"%d"},"items":[%s]}' % (API_VERSION.encode(), self.resource_version,
-                                                            b",".join(stored.item for stored in deleted)))
         raise _not_allowed()
 
-    def _slice_item(self, method: str, name: str, query: dict[str, str], body: bytes,
-                    content_type: str) -> _Response:
+    def _slice_item(self, method: str, name: str, query: dict[str, str], body: bytes) -> _Response:
         if method == "GET":
             with self._cond:
                 stored = self._slices.get(name)
@@ -1475,9 +1241,6 @@ users:
                 return _Response(200, stored.full)
         if method == "PUT":
             stored, warnings = self._update_slice(name, _json_body(body), query)
-            return _Response(200, stored.full, _warning_headers(warnings))
-        if method == "PATCH":
-            stored, warnings = self._patch_slice(name, _json_body(body), content_type, query)
             return _Response(200, stored.full, _warning_headers(warnings))
         if method == "DELETE":
             return _Response(200, self._delete_slice(name, body).full)  # ReturnDeletedObject: true
@@ -1489,20 +1252,16 @@ users:
         matches = _selector(query)
         bookmarks = query.get("allowWatchBookmarks", "") in _TRUE
         rv_text = query.get("resourceVersion", "")
-        initial = query.get("sendInitialEvents")
         try:
-            timeout = float(query.get("timeoutSeconds") or 0) or self.watch_timeout
+            timeout = float(query.get("timeoutSeconds") or 0) or WATCH_TIMEOUT
         except ValueError:
             raise ApiError(400, f"invalid timeoutSeconds: {query['timeoutSeconds']}") from None
         watcher = _Watcher(matches, bookmarks)
         with self._cond:
-            if rv_text in ("", "0") or initial in _TRUE:
-                if initial is None or initial in _TRUE:
-                    for _, stored in sorted(self._slices.items()):
-                        if matches(stored.obj):
-                            watcher.lines.append(_event_line("ADDED", stored.full))
-                    if initial in _TRUE and bookmarks:
-                        watcher.lines.append(_bookmark_line(self._rv, initial_events_end=True))
+            if rv_text in ("", "0"):  # the current state first, as ADDED events
+                for _, stored in sorted(self._slices.items()):
+                    if matches(stored.obj):
+                        watcher.lines.append(_event_line("ADDED", stored.full))
             else:
                 try:
                     since = int(rv_text)
@@ -1547,18 +1306,13 @@ users:
                 self._cond.notify_all()
 
     def _stream(self, handler: _Handler, watcher: _Watcher, deadline: float) -> None:
-        next_bookmark = time.monotonic() + self.bookmark_interval
         while True:
             with self._cond:
                 while not (watcher.lines or watcher.ended or watcher.aborted):
-                    now = time.monotonic()
-                    if now >= deadline:
+                    if (remaining := deadline - time.monotonic()) <= 0:
                         watcher.ended = True
-                    elif watcher.bookmarks and now >= next_bookmark:
-                        watcher.lines.append(_bookmark_line(self._rv))
-                        next_bookmark = now + self.bookmark_interval
                     else:
-                        self._cond.wait(min(deadline, next_bookmark if watcher.bookmarks else deadline) - now)
+                        self._cond.wait(remaining)
                 lines, watcher.lines = watcher.lines, []
                 ended, aborted = watcher.ended, watcher.aborted
             if aborted:
@@ -1583,9 +1337,7 @@ def _ordered_meta(obj: dict[str, Any]) -> dict[str, Any]:
 def _verb(method: str, collection: bool, query: Mapping[str, str]) -> str:
     if method == "GET":
         return ("watch" if query.get("watch", "") in _TRUE else "list") if collection else "get"
-    if method == "DELETE":
-        return "deletecollection" if collection else "delete"
-    return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method, method.lower())
+    return {"POST": "create", "PUT": "update"}.get(method, method.lower())
 
 
 def _not_allowed() -> ApiError:
@@ -1620,9 +1372,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:
         self.server._handle(self, "PUT")
-
-    def do_PATCH(self) -> None:
-        self.server._handle(self, "PATCH")
 
     def do_DELETE(self) -> None:
         self.server._handle(self, "DELETE")
