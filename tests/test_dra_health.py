@@ -132,7 +132,7 @@ async def test_an_unchanged_list_is_sent_again_so_the_kubelet_never_takes_it_as_
         for version in range(2, 8):
             rig.notifier.publish(tree(dra_pool(X, ["d1"]), version=version))
             await trio.sleep(0.05)
-        sent = await messages(rig, 3, timeout=2.0)
+        sent = await messages(rig, 3)
         assert all(list(message) == [key(X, "d1")] for message in sent)
         assert {(m[key(X, "d1")].health, m[key(X, "d1")].timeout) for m in sent} == {("Healthy", HEALTH_TIMEOUT_SECONDS)}
         state = rig.kubelet.dra_state(DRIVER)
@@ -149,7 +149,7 @@ async def test_a_stream_ends_and_unsubscribes_when_the_kubelet_goes(short_tmp):
         await messages(rig, 1)
         assert rig.health_streams() == 1
         await rig.kubelet_call(rig.kubelet.restart_dra)
-        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2, timeout=2.0)
+        await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, 2)
         await messages(rig, 2)  # the new registration's stream
         # the old stream ends when its server stops or, at the latest, at its next resend
         # (RESEND_INTERVAL) to a connection that is gone: allow that on a loaded machine

@@ -444,7 +444,7 @@ async def test_slices_wiped_by_the_kubelet_are_published_again(api: ApiServer, k
         await running.settle(tree(pool("things", ids(300))))
         await wait_published(api, "things", ids(300))
         assert api.wipe(NODE) == 3
-        await wait_published(api, "things", ids(300), timeout=3)
+        await wait_published(api, "things", ids(300))
 
 
 def lists(api: ApiServer) -> int:
@@ -489,7 +489,7 @@ async def test_an_expired_watch_is_listed_again_and_a_wipe_after_it_is_noticed(
         expire_the_watch(api)
         await api.wait_until_async(lambda: lists(api) == 2 and api.watch_count == 1, 5, "a new list and watch")
         api.wipe(NODE)
-        await wait_published(api, "things", ids(3), timeout=3)
+        await wait_published(api, "things", ids(3))
 
 
 async def test_a_list_that_answers_late_never_undoes_our_writes(api: ApiServer, kubeconfig: Path) -> None:
@@ -526,7 +526,7 @@ async def test_an_outage_is_one_error_line_retried_with_a_capped_backoff_and_end
         running.pools.offer(tree(pool("things", ids(5))))  # the latest, while still down
         await wait_for_log(caplog, retry, count=tried + 2)  # a round that began after it failed too
         api.up()
-        assert await wait_published(api, "things", ids(5), timeout=3) == 2  # never the intermediate one
+        assert await wait_published(api, "things", ids(5)) == 2  # never the intermediate one
         await wait_for_log(caplog, "(watching our ResourceSlices|ResourceSlices written) again", level=logging.INFO)
     (line,) = errors(caplog)  # one line for the outage, whichever task met it first
     assert "unreachable" in line

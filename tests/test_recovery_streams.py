@@ -79,15 +79,6 @@ def recover(seam: Seam, host: FakeHost, addresses: list[str]) -> None:
                   PCI_SLOT_NAME=address)
 
 
-def within(seconds: float, condition: Callable[[], bool]) -> bool:
-    """Whether ``condition`` holds within ``seconds`` (counted, not a failure)."""
-    try:
-        wait_until(condition, seconds, interval=0.005)
-    except AssertionError:
-        return False
-    return True
-
-
 def test_every_recovery_shows_unhealthy_then_healthy_on_listandwatch_dra_health_and_host_watch(
     api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, run_daemon: Callable[..., DaemonProcess], seam: Seam,
     short_tmp: Path,
@@ -105,8 +96,7 @@ def test_every_recovery_shows_unhealthy_then_healthy_on_listandwatch_dra_health_
     watch = HostWatch(short_tmp / "control.sock")
     try:
         wait_until(watch.healthy, what="devplugd watch: every device Healthy")
-        seen = {"listandwatch": 0, "dra health": 0, "host watch": 0}
-        for _ in range(RECOVERIES):
+        for recovery in range(1, RECOVERIES + 1):
             lists, reports, lines = len(dra_kubelet.state(QAT).messages), len(health.health_messages), len(watch.lines)
 
             def listed_unhealthy() -> bool:
@@ -118,11 +108,11 @@ def test_every_recovery_shows_unhealthy_then_healthy_on_listandwatch_dra_health_
             recover(seam, host, [PF, *vfs])
             # ListAndWatch has always shown them: its Healthy list again says both trees are out
             dra_kubelet.wait_for(lambda k: listed_unhealthy() and k.state(QAT).healthy == {PF},
-                                 what="the PF Unhealthy, then Healthy again")
-            seen["listandwatch"] += 1
-            seen["dra health"] += within(1, lambda: reported_unhealthy() and all(
-                r.health == "Healthy" for r in health.health_messages[-1].values()))
-            seen["host watch"] += within(1, lambda: watch.unhealthy_since(lines) and watch.healthy())
-        assert seen == {"listandwatch": RECOVERIES, "dra health": RECOVERIES, "host watch": RECOVERIES}
+                                 what=f"recovery {recovery}: ListAndWatch: the PF Unhealthy, then Healthy again")
+            wait_until(lambda: reported_unhealthy() and all(
+                r.health == "Healthy" for r in health.health_messages[-1].values()), interval=0.005,
+                what=f"recovery {recovery}: DRA health: the VFs Unhealthy, then Healthy again")
+            wait_until(lambda: watch.unhealthy_since(lines) and watch.healthy(), interval=0.005,
+                       what=f"recovery {recovery}: devplugd watch: Unhealthy, then every device Healthy again")
     finally:
         watch.close()
