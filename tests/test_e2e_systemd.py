@@ -44,6 +44,7 @@ from tests.e2e.units import (
     wait_for_journal,
     wait_for_state,
 )
+from tests.waiting import wait_until
 
 UNIT = "devplugd.service"
 CONFIG = "/etc/devplugd/config.json"
@@ -263,11 +264,8 @@ def test_node_labels_name_each_pool_and_its_device_count(deployment: Deployment)
         if count:
             wanted.add(f"devplugd.io/{entry['resourceName']}.present=true")
     path = deployment.container.root / NFD_FEATURES.lstrip("/") / "devplugd"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (path.exists() and set(path.read_text().splitlines()) == wanted):
-        time.sleep(0.1)
-    assert path.exists() and set(path.read_text().splitlines()) == wanted, (
-        path.read_text() if path.exists() else "no features file", wanted)
+    wait_until(lambda: path.exists() and set(path.read_text().splitlines()) == wanted, 10,
+               lambda: f"{path.read_text() if path.exists() else 'no features file'}, not {wanted}", interval=0.1)
 
 
 def test_metrics_are_served_on_localhost_as_the_default_file_says(deployment: Deployment) -> None:
@@ -275,13 +273,13 @@ def test_metrics_are_served_on_localhost_as_the_default_file_says(deployment: De
     (AF_INET, IPAddressAllow=localhost) lets the daemon serve it there."""
     scrape = ("import urllib.request; "
               "print(urllib.request.urlopen('http://127.0.0.1:9464/metrics', timeout=5).read().decode())")
-    deadline = time.monotonic() + 10
-    while True:
-        result = deployment.run([deployment.python, "-c", scrape], check=False)
-        if result.returncode == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert result.returncode == 0, result.stderr
+    scrapes: list[Any] = []
+
+    def scraped() -> Any:
+        scrapes.append(deployment.run([deployment.python, "-c", scrape], check=False))
+        return scrapes[-1] if scrapes[-1].returncode == 0 else None
+
+    result = wait_until(scraped, 10, lambda: scrapes[-1].stderr, interval=0.2)
     assert "devplugd_pool_devices{" in result.stdout and "process_resident_memory_bytes" in result.stdout
 
 
@@ -349,10 +347,9 @@ def test_watchdog_restarts_a_wedged_daemon(deployment: Deployment, request: pyte
         cursor = journal_cursor(container)
         wedged_at = time.monotonic()
         deployment.run(["systemctl", "kill", "--signal=SIGSTOP", UNIT])
-        deadline = time.monotonic() + 5
-        while (state := _process_state(deployment, before.main_pid)) != "T":  # the stop, confirmed
-            assert time.monotonic() < deadline, f"MainPID {before.main_pid} in state {state!r}, not stopped"
-            time.sleep(0.02)
+        wait_until(lambda: _process_state(deployment, before.main_pid) == "T", 5,  # the stop, confirmed
+                   lambda: f"MainPID {before.main_pid} in state {_process_state(deployment, before.main_pid)!r}, "
+                           "not stopped", interval=0.02)
         after = wait_for_state(container, UNIT, lambda s: s.restarts > before.restarts and s.pair == "active/running"
                                and s.main_pid not in (0, before.main_pid), 40, "a restart by the watchdog")
         deployment.timings["wedge_to_active_again"] = time.monotonic() - wedged_at

@@ -36,7 +36,6 @@ import signal
 import stat
 import struct
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 import pytest
 
 from tests.daemonrun import control_cli
+from tests.waiting import wait_until
 
 PACKAGES = ("podman", "runc", "busybox-static")
 BUSYBOX = Path("/bin/busybox")
@@ -176,8 +176,10 @@ class Podman:
 
     def cleanup(self, timeout: float = 10.0) -> None:
         """Kill whatever podman left in our cgroup parent, remove it (deepest first), then the workdir."""
-        deadline = time.monotonic() + timeout
-        while directories := self.cgroup_directories():
+        failures: list[OSError] = []
+
+        def removed() -> bool:
+            directories = self.cgroup_directories()
             for directory in directories:
                 for procs in directory.rglob("cgroup.procs"):
                     with contextlib.suppress(OSError, ValueError):
@@ -188,10 +190,15 @@ class Podman:
                 for directory in directories:
                     for parent, _, _ in os.walk(directory, topdown=False):
                         os.rmdir(parent)  # a cgroup directory goes with rmdir, control files and all
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+            except OSError as error:  # busy until the killed processes are gone
+                failures.append(error)
+                return False
+            return True
+
+        try:
+            wait_until(removed, timeout, interval=0.05)
+        except AssertionError:
+            raise failures[-1] from None
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.waiting import wait_until
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -89,16 +90,21 @@ class ContainerCgroup:
 
     def remove(self, timeout: float = 10.0) -> None:
         """Kill whatever is left, then remove the directories, deepest first."""
-        deadline = time.monotonic() + timeout
-        while True:
+        failures: list[OSError] = []
+
+        def removed() -> bool:
             self.kill_all()
             try:
                 for directory in self.directories:
                     if directory.exists():
                         for parent, _, _ in os.walk(directory, topdown=False):
                             os.rmdir(parent)  # cgroupfs: rmdir of a cgroup ignores its control files
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+            except OSError as error:  # busy until the killed processes are gone
+                failures.append(error)
+                return False
+            return True
+
+        try:
+            wait_until(removed, timeout, interval=0.05)
+        except AssertionError:
+            raise failures[-1] from None

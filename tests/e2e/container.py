@@ -19,6 +19,7 @@ journald (Storage=auto) is persistent in the container's own /var/log/journal, u
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -29,6 +30,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+
+from tests.waiting import wait_until
 
 from ._cgroup import ContainerCgroup
 from ._host import (
@@ -256,11 +259,13 @@ class Container:
     def _find_leader(self, deadline: float) -> int:
         """The container's PID 1: nspawn's child that is PID 1 in its own PID namespace and has
         exec'd systemd (before that it is still nspawn code setting up the namespaces)."""
-        assert self.process is not None
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise BootError(f"systemd-nspawn exited {self.process.returncode}:\n{self.log}")
-            for pid in _children(self.process.pid):
+        process = self.process
+        assert process is not None
+
+        def leader() -> int | None:
+            if process.poll() is not None:
+                raise BootError(f"systemd-nspawn exited {process.returncode}:\n{self.log}")
+            for pid in _children(process.pid):
                 try:
                     status = Path(f"/proc/{pid}/status").read_text()
                     executable = os.readlink(f"/proc/{pid}/exe")
@@ -269,8 +274,14 @@ class Container:
                 nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
                 if len(nspid) >= 2 and nspid[-1] == "1" and executable.endswith("/systemd"):
                     return pid
-            time.sleep(0.01)
-        raise BootError(f"no container PID 1 under nspawn {self.process.pid} in {self.boot_timeout}s:\n{self.log}")
+            return None
+
+        try:
+            found: int = wait_until(leader, deadline - time.monotonic(), interval=0.01)
+        except AssertionError:
+            raise BootError(f"no container PID 1 under nspawn {process.pid} in {self.boot_timeout}s:\n"
+                            f"{self.log}") from None
+        return found
 
     def _wait_for_systemd(self, deadline: float) -> str:
         """Until ``systemctl is-system-running --wait`` says the boot is over. systemd answers
@@ -278,15 +289,19 @@ class Container:
         Type=notify service that never sends READY=1) keeps the state at "starting" for its
         TimeoutStartSec: after ``settle`` seconds that is returned, for the tests to judge."""
         settle_deadline = min(deadline, time.monotonic() + self.settle)
-        while (remaining := settle_deadline - time.monotonic()) > 0:
+
+        def up() -> str | None:
+            remaining = max(settle_deadline - time.monotonic(), 0.001)
             try:
                 completed = self.run(["systemctl", "is-system-running", "--wait"], check=False, timeout=remaining)
             except subprocess.TimeoutExpired:
-                break
+                raise AssertionError("still starting after the settle time") from None  # ends the wait
             state = completed.stdout.strip()
-            if state in ("running", "degraded", "maintenance"):
-                return state
-            time.sleep(0.05)
+            return state if state in ("running", "degraded", "maintenance") else None
+
+        with contextlib.suppress(AssertionError):
+            found: str = wait_until(up, settle_deadline - time.monotonic(), interval=0.05)
+            return found
         state = self.run(["systemctl", "is-system-running"], check=False).stdout.strip()
         if state in ("starting", "running", "degraded", "maintenance"):
             return state

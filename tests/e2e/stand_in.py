@@ -8,10 +8,11 @@ with it. Its view is a JSON file the test polls.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import wait_until
 
 from .container import Container
 
@@ -27,6 +28,8 @@ class KubeletStandIn:
         self.container = container
         self.python = python
         container.copy_in(TESTS_DIR / "kubelet.py", f"{STAGING}/kubelet.py")
+        for module in ("__init__.py", "waiting.py"):  # kubelet.py waits with tests.waiting
+            container.copy_in(TESTS_DIR / module, f"{STAGING}/tests/{module}")
         container.copy_in(Path(__file__).with_name("kubelet_driver.py"), f"{STAGING}/kubelet_driver.py")
 
     def start(self, register_delay: float = 0.0, timeout: float = 20.0) -> None:
@@ -51,13 +54,13 @@ class KubeletStandIn:
         return {name: state for name, state in self.view().get("resources", {}).items() if state["connected"]}
 
     def wait_for(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
+        def matched() -> dict[str, Any] | None:
             view = self.view()
-            if view and predicate(view):
-                return view
-            if time.monotonic() > deadline:
-                status = self.container.run(["systemctl", "status", "--no-pager", "-n", "20", self.unit], check=False)
-                raise AssertionError(f"kubelet stand-in: timed out after {timeout}s waiting for {what}; "
-                                     f"view={view}\n{status.stdout}")
-            time.sleep(0.1)
+            return view if view and predicate(view) else None
+
+        def failure() -> str:
+            status = self.container.run(["systemctl", "status", "--no-pager", "-n", "20", self.unit], check=False)
+            return f"kubelet stand-in: {what}; view={self.view()}\n{status.stdout}"
+
+        found: dict[str, Any] = wait_until(matched, timeout, failure, interval=0.1)
+        return found

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tests.waiting import wait_until
+
 from .container import Container
 
 STATE_PROPERTIES = ("ActiveState", "SubState", "MainPID", "NRestarts", "Result", "StatusText",
@@ -93,14 +95,14 @@ def assert_became_active(trace: StartTrace, timeout: float) -> None:
 
 def wait_for_state(container: Container, unit: str, predicate: Callable[[UnitState], bool], timeout: float,
                    what: str) -> UnitState:
-    deadline = time.monotonic() + timeout
-    while True:
-        state = unit_state(container, unit)
-        if predicate(state):
-            return state
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{unit}: timed out after {timeout}s waiting for {what}; last {state}")
-        time.sleep(0.05)
+    seen: list[UnitState] = []
+
+    def reached() -> UnitState | None:
+        seen.append(unit_state(container, unit))
+        return seen[-1] if predicate(seen[-1]) else None
+
+    found: UnitState = wait_until(reached, timeout, lambda: f"{unit}: {what}; last {seen[-1]}", interval=0.05)
+    return found
 
 
 def journal_cursor(container: Container) -> str:
@@ -123,16 +125,14 @@ def journal(container: Container, *matches: str, unit: str | None = None, after:
 
 def wait_for_journal(container: Container, predicate: Callable[[dict[str, str]], bool], *, unit: str | None = None,
                      after: str = "", timeout: float = 15.0, what: str = "") -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        for entry in journal(container, unit=unit, after=after):
-            if predicate(entry):
-                return entry
-        if time.monotonic() > deadline:
-            tail = [entry.get("MESSAGE", "") for entry in journal(container, unit=unit, after=after)][-30:]
-            raise AssertionError(f"no journal entry {what} within {timeout}s; last messages:\n"
-                                 + "\n".join(map(str, tail)))
-        time.sleep(0.1)
+    def tail() -> str:
+        messages = [entry.get("MESSAGE", "") for entry in journal(container, unit=unit, after=after)][-30:]
+        return f"journal entry {what}; last messages:\n" + "\n".join(map(str, messages))
+
+    found: dict[str, str] = wait_until(
+        lambda: next((entry for entry in journal(container, unit=unit, after=after) if predicate(entry)), None),
+        timeout, tail, interval=0.1)
+    return found
 
 
 def message(entry: dict[str, str]) -> str:
