@@ -546,6 +546,10 @@ async def test_a_node_missing_from_the_api_server_is_one_error_line_and_publishi
             await api.wait_until_async(
                 lambda: sum(1 for r in api.requests if r.path == f"/api/v1/nodes/{NODE}") >= 3, 5, "GET node again")
             assert errors(caplog) == [line]
+            # each try counts as a failed write (three GETs sent: two answered), so the alert on
+            # failing writes sees a wrong node name
+            assert (running.metrics.registry.get_sample_value("devplugd_dra_slice_write_failures_total",
+                                                              {"reason": "error"}) or 0) >= 2
             uid = api.add_node(NODE)
             await wait_published(api, "things", ids(2))
             (published,) = slices_of(api, "things")

@@ -58,12 +58,12 @@ def two_pools() -> DeviceTree:
         "0000:3b:02.1": vf("0000:3b:02.1", UNHEALTHY, (1,)),
         "0000:3b:02.2": vf("0000:3b:02.2"),
         "0000:3b:02.3": vf("0000:3b:02.3", numa=()),
-    }, leased=frozenset({"0000:3b:02.2"}), claimed=frozenset({"0000:3b:02.3"}))
+    }, leased=frozenset({"0000:3b:02.2"}), claimed=frozenset({"0000:3b:02.3"}), vanished={"0000:3b:02.1"})
     serial = pool("example.com/tty", {"port-1-4": DeviceInfo()})
     return tree(dpdk, serial, version=7)
 
 
-def test_pool_gauges_count_devices_healthy_leased_and_claimed_per_resource():
+def test_pool_gauges_count_devices_healthy_leased_claimed_and_vanished_per_resource():
     metrics = Metrics()
     metrics.tree.offer(two_pools())
     assert sample(metrics, "devplugd_pool_devices", resource="intel.com/dpdk") == 4
@@ -71,7 +71,9 @@ def test_pool_gauges_count_devices_healthy_leased_and_claimed_per_resource():
     assert sample(metrics, "devplugd_pool_host_leased_devices", resource="intel.com/dpdk") == 1
     assert sample(metrics, "devplugd_pool_dra_claimed_devices", resource="intel.com/dpdk") == 1
     assert sample(metrics, "devplugd_pool_kubelet_allocated_devices", resource="intel.com/dpdk") == 0
+    assert sample(metrics, "devplugd_pool_vanished_devices", resource="intel.com/dpdk") == 1
     assert sample(metrics, "devplugd_pool_devices", resource="example.com/tty") == 1
+    assert sample(metrics, "devplugd_pool_vanished_devices", resource="example.com/tty") == 0
 
 
 def test_device_info_names_each_device_its_numa_node_and_pci_address():
