@@ -32,15 +32,16 @@ def wait_until(predicate: Callable[[], T], timeout: float = 10.0, what: What = "
     seconds raise AssertionError with ``what`` (a text, or a function giving it, such as a log
     at that moment). An AssertionError the predicate raises (a process that died) ends the wait.
 
-    With ``condition`` (held by the caller), wait on it between calls instead of sleeping
-    ``interval``: whoever changes what the predicate reads notifies it."""
+    With ``condition`` (held by the caller), wait on it between calls instead of sleeping: whoever
+    changes what the predicate reads notifies it and the wait ends at once; it ends after
+    ``interval`` all the same, for a predicate that also reads what nobody notifies about."""
     deadline = time.monotonic() + timeout
     while not (result := predicate()):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _timed_out(timeout, what)
         if condition is not None:
-            condition.wait(remaining)
+            condition.wait(min(interval, remaining))
         else:
             time.sleep(min(interval, remaining))
     return result
