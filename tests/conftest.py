@@ -22,11 +22,35 @@ import pytest
 from tests.auxpools import AuxPools
 from tests.daemonrun import REPO_ROOT, DaemonProcess, daemon_command
 from tests.fakesysfs import FakeHost
+from tests.guest import GuestResult, run_in_guest
 from tests.kubelet import FakeKubelet
 from tests.pci import Pci
 from tests.seam import Seam
 from tests.slowdisk import SlowDisk
 from tests.uevents import ZramDevices
+
+# The fixtures that start what a marker names (pyproject.toml registers the markers): a test that
+# uses one, directly or through another fixture, gets the marker, and ./scripts/test --fast leaves
+# it out (pytest -m "not (qemu or nspawn or podman or prometheus)").
+NEEDS = {
+    "qemu_guest": "qemu",  # below: a QEMU guest with emulated SR-IOV NVMe, USB, AER
+    "deployment": "nspawn",  # test_e2e_systemd: the .deb in a bookworm container booted by systemd-nspawn
+    "podman": "podman",  # test_podman_cdi: podman and runc, confined to the test
+    "pod": "podman",  # test_image_daemonset: the image run by podman as the DaemonSet runs it
+    "prometheus": "prometheus",  # test_metrics_daemon: a real Prometheus server scraping the daemon
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in NEEDS.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(NEEDS[fixture])
+
+
+@pytest.fixture
+def qemu_guest() -> Callable[..., GuestResult]:
+    """``tests.guest.run_in_guest``: boots a QEMU guest for the test (which is marked ``qemu``)."""
+    return run_in_guest
 
 
 @pytest.fixture
