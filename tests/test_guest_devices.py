@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import report_line
-from tests.guest import BridgedNvme, MultifunctionNvme, SriovNvme, guest_python, run_in_guest
+from tests.guest import BridgedNvme, GuestResult, MultifunctionNvme, SriovNvme, guest_python
 
 PORTS = [SriovNvme(2), MultifunctionNvme(3, slow_link=True), BridgedNvme(2)]
 
@@ -38,11 +39,11 @@ def outcome(aer: dict[str, Any], error_event: str, source: str) -> list[str]:
 
 
 def test_topologies_udevd_monitor_relay_and_aer_recovery_uevents(
-    short_tmp: Path, request: pytest.FixtureRequest,
+    short_tmp: Path, request: pytest.FixtureRequest, qemu_guest: Callable[..., GuestResult],
 ) -> None:
     share = short_tmp / "share"
     share.mkdir()
-    result = run_in_guest(guest_python("-m", "tests.guest.scenario_devices"), ports=PORTS, share=share,
+    result = qemu_guest(guest_python("-m", "tests.guest.scenario_devices"), ports=PORTS, share=share,
                           udevd=True, monitor=True, timeout=180)
     seen = json.loads((share / "result.json").read_text())
     lags = seen["all_lags_ms"]

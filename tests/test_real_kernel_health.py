@@ -18,13 +18,14 @@ groups", docs/events.md "PCIe error recovery"; shared/docs/real-kernel-devices.m
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import report_line
-from tests.guest import MultifunctionNvme, SriovNvme, guest_python, run_in_guest
+from tests.guest import GuestResult, MultifunctionNvme, SriovNvme, guest_python
 
 PORTS = [SriovNvme(2), MultifunctionNvme(3)]
 VFIO_CONTAINER = "/dev/vfio/vfio"
@@ -57,11 +58,11 @@ def first_ms(messages: list[dict[str, Any]], devices: list[str], health: str) ->
 
 
 def test_a_shared_group_is_one_device_and_pcie_errors_reach_the_kubelet(
-    short_tmp: Path, request: pytest.FixtureRequest,
+    short_tmp: Path, request: pytest.FixtureRequest, qemu_guest: Callable[..., GuestResult],
 ) -> None:
     share = short_tmp / "share"
     share.mkdir()
-    guest = run_in_guest(guest_python("-m", "tests.guest.scenario_health"), ports=PORTS, share=share,
+    guest = qemu_guest(guest_python("-m", "tests.guest.scenario_health"), ports=PORTS, share=share,
                          monitor=True, timeout=240)
     result = json.loads((share / "result.json").read_text())
     daemon_log = (share / "daemon.log").read_text(errors="replace")

@@ -16,13 +16,14 @@ guest running a real systemd-udevd, the production path on a real host: ``auto``
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import report_line
-from tests.guest import guest_python, run_in_guest
+from tests.guest import GuestResult, guest_python
 
 PF_VFS = [4, 8]  # sriov_totalvfs of the two PFs
 VFIO_CONTAINER = "/dev/vfio/vfio"
@@ -49,13 +50,13 @@ def describe(step: dict[str, Any]) -> str:
 
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_the_kubelet_sees_exactly_the_vfio_bound_vfs_of_a_real_kernel(
-    short_tmp: Path, request: pytest.FixtureRequest, source: str,
+    short_tmp: Path, request: pytest.FixtureRequest, source: str, qemu_guest: Callable[..., GuestResult],
 ) -> None:
     share = short_tmp / "share"
     share.mkdir()
     udevd = source != "kernel"
     # about a minute on a quiet machine; the timeout leaves room for a loaded one (TCG is CPU-bound)
-    guest = run_in_guest(guest_python("-m", "tests.guest.scenario_sriov"), pfs=PF_VFS, share=share, timeout=300,
+    guest = qemu_guest(guest_python("-m", "tests.guest.scenario_sriov"), pfs=PF_VFS, share=share, timeout=300,
                          env={"UEVENT_SOURCE": source}, udevd=udevd)
     result = json.loads((share / "result.json").read_text())
     daemon_log = (share / "daemon.log").read_text(errors="replace")

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import report_line
-from tests.guest import guest_python, run_in_guest
+from tests.guest import GuestResult, guest_python
 
 ENV = "USBDEVICE_DEVPLUGD_TEST_"
 BY_ID = "/dev/serial/by-id/usb-QEMU_QEMU_USB_SERIAL_FTDI0042-if00-port0"
@@ -103,11 +104,11 @@ def check_usb_allocation(answer: dict[str, Any], pool: str, device: str, *, bus:
 
 
 def test_usb_devices_hotplugged_on_a_real_kernel_are_offered_with_stable_ids_and_all_their_nodes(
-    short_tmp: Path, request: pytest.FixtureRequest,
+    short_tmp: Path, request: pytest.FixtureRequest, qemu_guest: Callable[..., GuestResult],
 ) -> None:
     share = short_tmp / "share"
     share.mkdir()
-    guest = run_in_guest(guest_python("-m", "tests.guest.scenario_usb"), share=share, udevd=True, monitor=True,
+    guest = qemu_guest(guest_python("-m", "tests.guest.scenario_usb"), share=share, udevd=True, monitor=True,
                          usb=True, timeout=180, check=False)
     result = json.loads((share / "result.json").read_text()) if (share / "result.json").exists() else {}
     daemon_log = (share / "daemon.log").read_text(errors="replace") if (share / "daemon.log").exists() else ""
