@@ -27,7 +27,7 @@ from daemon.dra import DraSockets, HealthServicer
 from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.sources.inotify import InotifySource
-from tests.kubelet import DRA_SERVICES, FakeKubelet
+from tests.kubelet import DRA_HEALTH_VERSIONS, DRA_SERVICES, FakeKubelet
 
 DRIVER = "devplugd.io"
 NODE = "node1"
@@ -128,13 +128,14 @@ async def serving_dra(
     with_inotify: bool = True,
     tree: DeviceTree | None = None,
     dra_health_gate: bool = True,
+    dra_health_versions: tuple[str, ...] = DRA_HEALTH_VERSIONS,
 ) -> AsyncIterator[DraRig]:
     """DraSockets serving in this trio run (started: both sockets served), a kubelet stand-in
     watching the registry directory, and inotify on both socket directories; ``tree`` is
     published before anything is served."""
     settings = dra_settings(directory)
     kubelet = FakeKubelet(settings.device_plugin_dir, settings.plugins_registry_dir, kubelet_versions=kubelet_versions,
-                          dra_health_gate=dra_health_gate)
+                          dra_health_gate=dra_health_gate, dra_health_versions=dra_health_versions)
     kubelet.start()
     try:
         async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:

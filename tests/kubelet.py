@@ -29,8 +29,9 @@ The DRA manager's side (dra-api.md §1, §2.2, §3.2), through the same plugin w
 * ``prepare`` / ``unprepare`` call NodePrepareResources / NodeUnprepareResources through the
   chosen version's stubs with a 45 s deadline and apply the kubelet's response rules
   (``DraCallError``: unknown claim UIDs, skipped claims, a claim's error).
-* when the plugin advertises ``v1alpha1.DRAResourceHealth`` (and ``dra_health_gate``), a
-  NodeWatchResources stream is kept open (again 5 s after it ends, as 1.34 kubelets retry); each
+* when the plugin advertises a ``DRAResourceHealth`` version the stand-in knows (and
+  ``dra_health_gate``), a NodeWatchResources stream of the first of ``dra_health_versions`` it
+  advertises is kept open (a 1.37 kubelet: v1, else v1alpha1; a 1.36 one: v1alpha1 only; never both) (again 5 s after it ends, as 1.34 kubelets retry); each
   message updates the driver's health cache the kubelet's way (stamped on arrival, Unknown once
   older than its timeout, cleared when the stream ends); ``dra_health`` reads it.
 * ``restart_dra()`` plays the kubelet's restart for DRA: its connections close, and the
@@ -60,6 +61,8 @@ from daemon._generated.dra.v1 import api_pb2 as dra_v1
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
 from daemon._generated.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from daemon._generated.drahealth.v1 import api_pb2 as dra_health_v1
+from daemon._generated.drahealth.v1 import api_pb2_grpc as dra_health_v1_grpc
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as dra_health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
@@ -75,6 +78,11 @@ DRA_SERVICES: dict[str, tuple[Any, Any]] = {
     "v1beta1.DRAPlugin": (dra_v1beta1, dra_v1beta1_grpc),
 }
 DRA_HEALTH_SERVICE = "v1alpha1.DRAResourceHealth"
+DRA_HEALTH_V1_SERVICE = "v1.DRAResourceHealth"
+# the health API versions a 1.37 kubelet knows, the one it prefers first
+DRA_HEALTH_VERSIONS = (DRA_HEALTH_V1_SERVICE, DRA_HEALTH_SERVICE)
+_HEALTH_APIS: dict[str, Any] = {DRA_HEALTH_V1_SERVICE: (dra_health_v1, dra_health_v1_grpc),
+                                DRA_HEALTH_SERVICE: (dra_health, dra_health_grpc)}
 DRA_CALL_TIMEOUT = 45.0  # defaultClientCallTimeout
 DRA_DEFAULT_HEALTH_TIMEOUT = 30.0  # DefaultHealthTimeout
 DRA_HEALTH_RETRY = 5.0  # wait.UntilWithContext(..., 5*time.Second)
@@ -139,6 +147,7 @@ class DraRegistration:
     supported_versions: tuple[str, ...]
     channel: grpc.aio.Channel
     health_task: asyncio.Task[None] | None = None
+    health_service: str = ""  # the DRAResourceHealth version chosen, "" for none
 
 
 @dataclass
@@ -156,6 +165,7 @@ class DraDriverState:
     health: dict[tuple[str, str], DeviceHealthRecord] = field(default_factory=dict)
     health_messages: list[dict[tuple[str, str], DeviceHealthRecord]] = field(default_factory=list)
     health_streams: int = 0  # NodeWatchResources streams opened
+    health_service: str = ""  # the DRAResourceHealth version of the last stream opened
 
     def current_health(self, now: float | None = None) -> dict[tuple[str, str], tuple[str, str]]:
         """(pool, device) -> (health, message), with the timeout rule applied."""
@@ -195,11 +205,13 @@ class FakeKubelet:
         plugins_registry_dir: Path | None = None,
         kubelet_versions: tuple[str, ...] = tuple(DRA_SERVICES),
         dra_health_gate: bool = True,
+        dra_health_versions: tuple[str, ...] = DRA_HEALTH_VERSIONS,
     ) -> None:
         self.device_plugin_dir = device_plugin_dir
         self.plugins_registry_dir = plugins_registry_dir
         self.kubelet_versions = kubelet_versions
         self.dra_health_gate = dra_health_gate
+        self.dra_health_versions = dra_health_versions
         self.dra: dict[str, DraDriverState] = {}
         self._dra_registrations: dict[str, DraRegistration] = {}  # by registration socket
         self.socket_path = device_plugin_dir / "kubelet.sock"
@@ -549,7 +561,8 @@ class FakeKubelet:
                 state.registered = True
                 state.service, state.endpoint, state.supported_versions = service, endpoint, tuple(versions)
                 state.registered_at = time.monotonic()
-                if self.dra_health_gate and DRA_HEALTH_SERVICE in versions:
+                registration.health_service = next((v for v in self.dra_health_versions if v in versions), "")
+                if self.dra_health_gate and registration.health_service:
                     registration.health_task = asyncio.ensure_future(self._watch_dra_health(registration))
                 self._notify()
                 return ""
@@ -573,11 +586,13 @@ class FakeKubelet:
     async def _watch_dra_health(self, registration: DraRegistration) -> None:
         """NodeWatchResources, opened again DRA_HEALTH_RETRY after it ends while registered."""
         state = self.dra_state(registration.driver)
-        stub = dra_health_grpc.DRAResourceHealthStub(registration.channel)
+        api, api_grpc = _HEALTH_APIS[registration.health_service]
+        stub = api_grpc.DRAResourceHealthStub(registration.channel)
         while self._dra_registrations.get(registration.registration_socket) is registration:
             state.health_streams += 1
+            state.health_service = registration.health_service
             try:
-                async for message in stub.NodeWatchResources(dra_health.NodeWatchResourcesRequest()):
+                async for message in stub.NodeWatchResources(api.NodeWatchResourcesRequest()):
                     now = time.monotonic()
                     reported = {
                         (d.device.pool_name, d.device.device_name): DeviceHealthRecord(

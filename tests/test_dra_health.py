@@ -8,6 +8,7 @@ import functools
 import time
 from typing import Any
 
+import pytest
 import trio
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
@@ -16,6 +17,7 @@ from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, Devic
 from daemon.dra import device_name, pool_name
 from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, health_report
 from tests.drasockets import DRIVER, NODE, DraRig, serving_dra
+from tests.kubelet import DRA_HEALTH_VERSIONS
 from tests.trees import pool, tree
 from tests.waiting import wait_until_async
 
@@ -70,6 +72,24 @@ async def test_the_first_message_lists_every_device_of_every_dra_pool_and_nothin
         assert abs(record.last_updated_time - time.time()) < 5
         assert rig.kubelet.dra_health(DRIVER) == EVERY_DRA_DEVICE
         assert rig.kubelet.dra_state(DRIVER).health_streams == 1
+
+
+@pytest.mark.parametrize(("known", "chosen"), [
+    (DRA_HEALTH_VERSIONS, "v1.DRAResourceHealth"),  # a 1.37 kubelet: v1 when the plugin offers both
+    (("v1alpha1.DRAResourceHealth",), "v1alpha1.DRAResourceHealth"),  # a 1.36 kubelet knows only v1alpha1
+])
+async def test_either_health_version_gets_the_same_stream_on_the_connection_of_the_calls(short_tmp, known, chosen):
+    async with serving_dra(short_tmp, tree=first_tree(), dra_health_versions=known) as rig:
+        first = (await messages(rig, 1))[0]
+        assert {k: (record.health, record.message) for k, record in first.items()} == EVERY_DRA_DEVICE
+        state = rig.kubelet.dra_state(DRIVER)
+        assert state.health_service == chosen and state.health_streams == 1
+        # a change reaches that stream, and a call goes over the same connection meanwhile
+        rig.notifier.publish(tree(dra_pool(X, ["d1"], unhealthy=["d1"]), version=2))
+        await wait_until_async(lambda: rig.kubelet.dra_health(DRIVER).get(key(X, "d1")) == ("Unhealthy", ""), 5,
+                               "the change on the stream")
+        answer = await rig.kubelet_call(rig.kubelet.unprepare, [("default", "uid-1", "claim-1")])
+        assert list(answer) == ["uid-1"] and state.health_streams == 1
 
 
 async def test_a_device_turning_unhealthy_sends_the_full_list_again(short_tmp):

@@ -14,6 +14,7 @@ import pytest
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.dra.v1 import api_pb2 as dra_v1
 from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
+from daemon._generated.drahealth.v1 import api_pb2 as dra_health_v1
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon.dra import SUPPORTED_VERSIONS
@@ -35,12 +36,13 @@ def _identity(path) -> tuple[int, int, int] | None:
 def test_the_dra_protos_have_the_kubelets_names_beside_the_device_plugin_api():
     services = {
         module.DESCRIPTOR.name: [s.full_name for s in module.DESCRIPTOR.services_by_name.values()]
-        for module in (dra_v1, dra_v1beta1, dra_health)
+        for module in (dra_v1, dra_v1beta1, dra_health, dra_health_v1)
     }
     assert services == {
         "daemon/_generated/dra/v1/api.proto": ["k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"],
         "daemon/_generated/dra/v1beta1/api.proto": ["k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"],
         "daemon/_generated/drahealth/v1alpha1/api.proto": ["v1alpha1.DRAResourceHealth"],
+        "daemon/_generated/drahealth/v1/api.proto": ["v1.DRAResourceHealth"],
     }
     plugin = dra_v1.DESCRIPTOR.services_by_name["DRAPlugin"]
     assert [m.name for m in plugin.methods] == ["NodePrepareResources", "NodeUnprepareResources"]
@@ -65,7 +67,8 @@ async def test_get_info_names_the_driver_dra_sock_and_the_services_v1_first(shor
         assert info.type == "DRAPlugin"
         assert info.name == DRIVER
         assert info.endpoint == str(short_tmp / "plugins" / DRIVER / "dra.sock")
-        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth"]
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth",
+                                                 "v1alpha1.DRAResourceHealth"]
         assert list(info.supported_versions) == list(SUPPORTED_VERSIONS)
         assert rig.settings.dra_registration_socket == short_tmp / "plugins_registry" / f"{DRIVER}-reg.sock"
         state = await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER)
@@ -95,8 +98,8 @@ async def test_a_kubelet_without_our_versions_refuses_and_the_error_is_recorded_
         await wait_until_async(lambda: rig.sockets.registration_error != "", what="the refusal recorded")
         assert not rig.sockets.registered
         assert ('none of services supported by the plugin (["v1.DRAPlugin" "v1beta1.DRAPlugin" '
-                '"v1alpha1.DRAResourceHealth"]) are supported by the kubelet (["v1alpha4.DRAPlugin"])'
-                ) in rig.sockets.registration_error
+                '"v1.DRAResourceHealth" "v1alpha1.DRAResourceHealth"]) are supported by the kubelet '
+                '(["v1alpha4.DRAPlugin"])') in rig.sockets.registration_error
         assert "kubelet refused DRA driver devplugd.io" in caplog.text
         assert rig.run_ended == []  # a refusal is the kubelet's to retry; we keep serving
         assert rig.sockets.serving

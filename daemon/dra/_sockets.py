@@ -3,7 +3,8 @@
 * ``<dra_plugin_dir>/<driver>/dra.sock``: the kubelet's DRA services, ``DRAPlugin`` v1,
   ``DRAPlugin`` v1beta1 (for 1.32 and 1.33 kubelets: an adapter that converts each message to its
   v1 twin through its wire form, the field numbers being the same, and calls the one v1
-  servicer) and ``DRAResourceHealth`` v1alpha1;
+  servicer) and ``DRAResourceHealth`` v1 and v1alpha1 (one servicer: v1 is an adapter in front
+  of it, the messages being the same; a 1.37 kubelet picks v1, a 1.36 one knows only v1alpha1);
 * ``<plugins_registry_dir>/<driver>-reg.sock``: ``pluginregistration.Registration``, which the
   kubelet's plugin watcher finds; its GetInfo names dra.sock as the endpoint.
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, cast
@@ -34,6 +35,9 @@ from daemon._generated.dra.v1 import api_pb2 as dra_v1
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
 from daemon._generated.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from daemon._generated.drahealth.v1 import api_pb2 as health_v1
+from daemon._generated.drahealth.v1 import api_pb2_grpc as health_v1_grpc
+from daemon._generated.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
@@ -48,7 +52,7 @@ log = logging.getLogger("devplugd.dra")
 
 PLUGIN_TYPE = "DRAPlugin"
 # The services on dra.sock, as the kubelet names them, in the order it should pick them (§3.2)
-SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 STOP_GRACE = 0.2
 PLUGIN_DIR_MODE = 0o750
 
@@ -101,6 +105,23 @@ class V1beta1Adapter(dra_v1beta1_grpc.DRAPluginServicer):
         answer = await self._v1.NodeUnprepareResources(
             convert(request, dra_v1.NodeUnprepareResourcesRequest), cast(Any, context))
         return convert(answer, dra_v1beta1.NodeUnprepareResourcesResponse)
+
+
+class HealthV1Adapter(health_v1_grpc.DRAResourceHealthServicer):
+    """``DRAResourceHealth`` v1 (a 1.37 kubelet's choice) in front of the v1alpha1 servicer: the
+    same messages under the other package name, so either name gets the same stream."""
+
+    def __init__(self, v1alpha1: HealthServicer) -> None:
+        self._v1alpha1 = v1alpha1
+
+    async def NodeWatchResources(
+        self,
+        request: health_v1.NodeWatchResourcesRequest,
+        context: grpc.aio.ServicerContext[health_v1.NodeWatchResourcesRequest, health_v1.NodeWatchResourcesResponse],
+    ) -> AsyncIterator[health_v1.NodeWatchResourcesResponse]:
+        async for message in self._v1alpha1.NodeWatchResources(
+                convert(request, health_v1alpha1.NodeWatchResourcesRequest), cast(Any, context)):
+            yield convert(message, health_v1.NodeWatchResourcesResponse)
 
 
 @dataclass
@@ -211,6 +232,7 @@ class DraSockets:
         dra_v1_grpc.add_DRAPluginServicer_to_server(self._plugin, server)
         dra_v1beta1_grpc.add_DRAPluginServicer_to_server(V1beta1Adapter(self._plugin), server)
         health_grpc.add_DRAResourceHealthServicer_to_server(self._health, server)
+        health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1Adapter(self._health), server)
 
     def _add_registration(self, server: grpc.aio.Server) -> None:
         reg_grpc.add_RegistrationServicer_to_server(PluginRegistrationServicer(self._info, self._registration_status),
