@@ -57,6 +57,7 @@ def test_a_vf_publishes_its_pci_identity_its_pf_and_its_link(pci: Pci, host: Fak
         "id": {"string": "0000:3b:02.1"},
         "resourceName": {"string": "intel.com/sriov_vfs"},
         "numaNode": {"int": 1},
+        "resource.kubernetes.io/numaNode": {"int": 1},
         "resource.kubernetes.io/pciBusID": {"string": "0000:3b:02.1"},
         "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
         "vendor": {"string": "8086"},
@@ -91,6 +92,7 @@ def test_a_function_that_is_not_a_vf_has_no_pf_attributes_and_no_group_when_it_h
     attributes = published(pci, pci.pool({"resourceName": "ib", "selectors": {"vendors": ["15b3"]}}))["0000-5e-00-0"]
     assert {name: value for name, value in attributes.items() if name not in ("id", "resourceName")} == {
         "numaNode": {"int": 0},
+        "resource.kubernetes.io/numaNode": {"int": 0},
         "resource.kubernetes.io/pciBusID": {"string": "0000:5e:00.0"},
         "resource.kubernetes.io/pcieRoot": {"string": "pci0000:00"},
         "vendor": {"string": "15b3"},

@@ -112,13 +112,14 @@ def test_two_ids_with_one_device_name_keep_the_first_and_log_the_second(caplog: 
 # -- core attributes --------------------------------------------------------------------------
 
 
-def test_core_attributes_are_the_id_the_resource_and_a_single_numa_node() -> None:
+def test_core_attributes_are_the_id_the_resource_and_a_single_numa_node_also_by_its_standard_name() -> None:
     pool = trees.pool(THINGS, {
         "one": DeviceInfo(numa_nodes=(1,)), "two": DeviceInfo(numa_nodes=(0, 1)), "none": DeviceInfo()})
     attributes = {device["name"]: device["attributes"] for device in slice_devices(pool, DRIVER, None)}
     assert attributes["one"] == {"id": {"string": "one"}, "resourceName": {"string": "example.com/things"},
-                                 "numaNode": {"int": 1}}
-    assert "numaNode" not in attributes["two"] and "numaNode" not in attributes["none"]
+                                 "numaNode": {"int": 1}, "resource.kubernetes.io/numaNode": {"int": 1}}
+    for unknown in ("two", "none"):  # several nodes, or none known (sysfs -1): no NUMA attribute at all
+        assert set(attributes[unknown]) == {"id", "resourceName"}
 
 
 def test_bools_are_bools_and_ints_are_ints() -> None:

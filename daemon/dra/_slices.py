@@ -32,6 +32,7 @@ MAX_ATTRIBUTES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice (we publ
 MAX_STRING_LENGTH = 64  # DeviceAttributeMaxValueLength, in bytes (Go's len)
 MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the name part of a QualifiedName
 MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength: its domain
+STANDARD_NUMA_NODE = "resource.kubernetes.io/numaNode"  # KEP-6072: an int, left out when sysfs says -1
 INT64 = range(-(2**63), 2**63)
 # The API server makes a generated name from at most 58 characters of generateName and 5 random
 # ones (k8s.io/apiserver names.SimpleNameGenerator): we cut generateName there ourselves.
@@ -116,7 +117,9 @@ def slice_devices(
     rewrite the pool at every pod start.
 
     Attributes: ``id`` (the device-plugin ID), ``resourceName`` (the pool's resource),
-    ``numaNode`` (when the device has exactly one NUMA node), then the describer's. An attribute
+    ``numaNode`` and the standard ``resource.kubernetes.io/numaNode`` (KEP-6072, the name other
+    drivers' devices carry too, so one claim can ``matchAttribute`` across drivers) when the
+    device has exactly one NUMA node, then the describer's. An attribute
     the API server would refuse (a bad name, a string over 64 bytes, a value that is not an
     int, bool or string, more than 32 in all) or that repeats one already set (``foo`` and
     ``<driver>/foo`` are one name) is left out; a describer that raises contributes nothing; a
@@ -158,7 +161,7 @@ def slice_devices(
         attributes: dict[str, dict[str, AttributeValue]] = {}
         core: dict[str, AttributeValue] = {"id": device_id, "resourceName": pool.resource}
         if len(numa_nodes) == 1:
-            core["numaNode"] = numa_nodes[0]
+            core["numaNode"] = core[STANDARD_NUMA_NODE] = numa_nodes[0]
         for key, value in core.items():
             _add(attributes, key, key, value, problems, device_id)
         for described, described_value in _described(pool, device_id, describer, problems):
