@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
+
+from tests.waiting import wait_until
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
 IOMMU_GROUPS = Path("/sys/kernel/iommu_groups")
@@ -96,7 +97,7 @@ def unbind(address: str) -> None:
 def bind(address: str, driver: str, *, wait: bool = True, timeout: float = BIND_TIMEOUT) -> None:
     """Bind the function to ``driver`` (``vfio-pci``, ``nvme``...), unbinding it from another first:
     ``driver_override`` then ``drivers_probe``. ``wait``: until sysfs shows the driver (raises
-    TimeoutError), and for vfio-pci until ``/dev/vfio/<group>`` exists. A refused probe raises
+    AssertionError), and for vfio-pci until ``/dev/vfio/<group>`` exists. A refused probe raises
     OSError (e.g. EINVAL binding nvme while the group is held through vfio)."""
     current = driver_of(address)
     if current == driver:
@@ -107,10 +108,10 @@ def bind(address: str, driver: str, *, wait: bool = True, timeout: float = BIND_
     write(DRIVERS_PROBE, address)
     if not wait:
         return
-    wait_until(lambda: driver_of(address) == driver, timeout, f"{address} bound to {driver}")
+    wait_until(lambda: driver_of(address) == driver, timeout, f"{address} bound to {driver}", interval=0.005)
     if driver == VFIO_DRIVER:
         node = vfio_node(iommu_group_of(address))
-        wait_until(node.exists, timeout, f"{node} after binding {address}")
+        wait_until(node.exists, timeout, f"{node} after binding {address}", interval=0.005)
 
 
 def clear_override(address: str) -> None:
@@ -136,11 +137,3 @@ def ports() -> list[dict[str, Any]]:
                                                .read_text())
     return document
 
-
-def wait_until(condition: Any, timeout: float, what: str, *, period: float = 0.005) -> None:
-    """Poll ``condition()`` until true; TimeoutError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} within {timeout} s")
-        time.sleep(period)

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from tests.waiting import wait_until
+
 NETLINK_KOBJECT_UEVENT = 15
 KERNEL = 1  # multicast group bits
 UDEV = 2
@@ -135,15 +137,11 @@ class UeventListener:
             return list(self.events)
 
     def wait_for(self, condition: Callable[[list[Uevent]], bool], timeout: float) -> list[Uevent]:
-        """Wait until ``condition(events so far)``; returns them. TimeoutError lists what came."""
-        deadline = time.monotonic() + timeout
+        """Wait until ``condition(events so far)``; returns them. AssertionError lists what came."""
         with self._lock:
-            while not condition(self.events):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    seen = "\n".join(event.summary() for event in self.events[-40:])
-                    raise TimeoutError(f"uevents did not match within {timeout} s; the last ones:\n{seen}")
-                self._lock.wait(left)
+            wait_until(lambda: condition(self.events), timeout,
+                       lambda: "uevents did not match; the last ones:\n" + "\n".join(
+                           event.summary() for event in self.events[-40:]), condition=self._lock)
             return list(self.events)
 
 

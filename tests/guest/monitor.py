@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tests.waiting import wait_until
+
 REQUEST_DIR = "req"  # under the share's .guest/ control directory
 CONTROL_DIR = ".guest"  # machine.CONTROL_DIR (not imported: this module also runs in the guest)
 POLL_SECONDS = 0.003  # host: request directory scan period; guest: reply poll period
@@ -81,17 +83,23 @@ class MonitorRelay:
             self._log(f"relay stopped: {exc!r}")
 
     def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + CONNECT_SECONDS
-        while True:
+        failed = MonitorError(f"cannot connect to QEMU's QMP socket {self.socket_path}")
+
+        def connected() -> socket.socket | None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(os.fspath(self.socket_path))
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
-                if self._stop.is_set() or time.monotonic() > deadline:
-                    raise MonitorError(f"cannot connect to QEMU's QMP socket {self.socket_path}") from None
-                time.sleep(0.01)
+                if self._stop.is_set():
+                    raise failed from None
+                return None
+
+        try:
+            return wait_until(connected, CONNECT_SECONDS, interval=0.01)
+        except AssertionError:
+            raise failed from None
 
     def _handshake(self, stream: BinaryIO) -> None:
         greeting = self._read_message(stream)
@@ -187,11 +195,10 @@ def hmp(command: str, *, timeout: float = 15.0) -> Reply:
     requested_at = time.monotonic()
     os.rename(directory / f"{name}.cmd.part", directory / f"{name}.cmd")
     reply_path = directory / f"{name}.out"
-    deadline = requested_at + timeout
-    while not reply_path.exists():
-        if time.monotonic() > deadline:
-            raise MonitorError(f"no reply to {command!r} within {timeout} s (is the host relay running?)")
-        time.sleep(POLL_SECONDS)
+    try:
+        wait_until(reply_path.exists, timeout, interval=POLL_SECONDS)
+    except AssertionError:
+        raise MonitorError(f"no reply to {command!r} within {timeout} s (is the host relay running?)") from None
     replied_at = time.monotonic()
     answer = json.loads(reply_path.read_text())
     if answer["error"]:

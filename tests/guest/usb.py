@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import os
 import struct
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.guest.monitor import CONTROL_DIR, MonitorError, Reply, hmp
+from tests.waiting import wait_until
 
 USB_BUS = "xhci.0"  # machine.USB_CONTROLLER_ID's bus (not imported: machine is host-side)
 USB_DEVICES = Path("/sys/bus/usb/devices")
@@ -113,11 +112,18 @@ def unplug(device: UsbDevice) -> Reply:
     reply = _checked(f"device_del {device.qdev_id}")
     if device.model == "usb-serial":
         command = f"chardev-remove {device.qdev_id}-chr"
-        deadline = time.monotonic() + CHARDEV_RELEASE_TIMEOUT
-        while (text := hmp(command).text.strip()) not in ("", "OK"):
-            if "is busy" not in text or time.monotonic() > deadline:
-                raise MonitorError(f"{command!r}: {text}")
-            time.sleep(0.05)
+        answers: list[str] = []
+
+        def removed() -> bool:
+            answers.append(hmp(command).text.strip())
+            if answers[-1] not in ("", "OK") and "is busy" not in answers[-1]:
+                raise MonitorError(f"{command!r}: {answers[-1]}")
+            return answers[-1] in ("", "OK")
+
+        try:
+            wait_until(removed, CHARDEV_RELEASE_TIMEOUT, interval=0.05)
+        except AssertionError:
+            raise MonitorError(f"{command!r}: {answers[-1]}") from None
     return reply
 
 
@@ -136,24 +142,14 @@ def is_bound(name: str) -> bool:
     return bool(found) and (USB_DEVICES / name / "driver").exists() and all((i / "driver").exists() for i in found)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``condition()`` every 10 ms; returns when it held (``time.monotonic()``)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        time.sleep(0.01)
-    return time.monotonic()
-
-
-def wait_bound(device: UsbDevice, timeout: float = 15.0) -> float:
+def wait_bound(device: UsbDevice, timeout: float = 15.0) -> None:
     name = usb_sysfs_name(device)
-    return wait_until(lambda: is_bound(name), timeout, f"{name} ({device.qdev_id}) bound")
+    wait_until(lambda: is_bound(name), timeout, f"{name} ({device.qdev_id}) bound", interval=0.01)
 
 
-def wait_gone(device: UsbDevice, timeout: float = 15.0) -> float:
+def wait_gone(device: UsbDevice, timeout: float = 15.0) -> None:
     name = usb_sysfs_name(device)
-    return wait_until(lambda: not (USB_DEVICES / name).exists(), timeout, f"{name} ({device.qdev_id}) removed")
+    wait_until(lambda: not (USB_DEVICES / name).exists(), timeout, f"{name} ({device.qdev_id}) removed", interval=0.01)
 
 
 def _devname(directory: Path) -> str | None:
