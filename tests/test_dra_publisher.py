@@ -79,10 +79,12 @@ def state(api: ApiServer, name: str, node: str = NODE) -> tuple[int, list[str]] 
 
 async def wait_published(api: ApiServer, name: str, device_ids: Sequence[str], *, node: str = NODE,
                          timeout: float = 5.0) -> int:
-    """Wait until pool ``name`` shows exactly ``device_ids``; its generation."""
+    """Wait until pool ``name`` shows exactly ``device_ids``, each once, in whichever slice (a
+    device added in place goes to the first slice with room, wherever its name sorts); its
+    generation."""
     def ready() -> tuple[int, list[str]] | None:
         current = state(api, name, node)
-        return current if current is not None and current[1] == list(device_ids) else None
+        return current if current is not None and sorted(current[1]) == sorted(device_ids) else None
 
     generation, _ = await api.wait_until_async(ready, timeout, lambda: f"pool {name}: {state(api, name, node)}")
     return generation
@@ -264,7 +266,7 @@ async def test_an_empty_pool_publishes_one_empty_slice(api: ApiServer, kubeconfi
     assert published["spec"]["pool"]["resourceSliceCount"] == 1 and published["spec"].get("devices", []) == []
 
 
-async def test_4096_devices_are_32_slices_of_128_that_shrink_and_grow_in_place(
+async def test_4096_devices_are_32_slices_of_128_that_shrink_in_place_and_grow_at_a_new_generation(
     api: ApiServer, kubeconfig: Path
 ) -> None:
     every = ids(4096)
@@ -275,42 +277,90 @@ async def test_4096_devices_are_32_slices_of_128_that_shrink_and_grow_in_place(
         assert len(first) == 32 and all(len(s["spec"]["devices"]) == 128 for s in first)
         assert {s["spec"]["pool"]["resourceSliceCount"] for s in first} == {32}
 
+        # one device goes Unhealthy (carrier lost): its slice alone is written, at the same
+        # generation, so the pool stays complete and allocatable
         before = len(writes(api))
-        gone = set(every[7::20][:200])  # 200 devices from all over the pool
+        await running.settle(tree(pool("things", every, unhealthy=["d02000"])))
+        assert await wait_published(api, "things", [i for i in every if i != "d02000"]) == 1
+        (made,) = writes(api)[before:]
+        assert made.method == "PUT" and made.path == f"{SLICES_PATH}/{first[2000 // 128]['metadata']['name']}"
+
+        before = len(writes(api))
+        gone = set(every[7::20][:200])  # 200 devices from all over the pool: every slice changes
         fewer = [i for i in every if i not in gone]
         assert len(fewer) == 3896
         await running.settle(tree(pool("things", fewer)))
-        assert await wait_published(api, "things", fewer) == 2
+        assert await wait_published(api, "things", fewer) == 1  # each slice in place: no new generation
         shrunk = slices_of(api, "things")
-        assert len(shrunk) == 31
-        assert {s["metadata"]["name"] for s in shrunk} < {s["metadata"]["name"] for s in first}  # updated in place
-        made = writes(api)[before:]
-        assert [r.method for r in made] == ["DELETE"] + ["PUT"] * 31  # the obsolete slice goes first
-        assert made[0].path == f"{SLICES_PATH}/{first[-1]['metadata']['name']}"
+        assert [s["metadata"]["name"] for s in shrunk] == [s["metadata"]["name"] for s in first]
+        assert [r.method for r in writes(api)[before:]] == ["PUT"] * 32
 
+        # 300 more than the 200 free places: a 33rd slice, so a new generation, every slice
+        # written before anything is deleted
+        before = len(writes(api))
         more = ids(4196)
         await running.settle(tree(pool("things", more)))
-        assert await wait_published(api, "things", more) == 3
+        assert await wait_published(api, "things", more) == 2
         grown = slices_of(api, "things")
         assert len(grown) == 33 and {s["spec"]["pool"]["resourceSliceCount"] for s in grown} == {33}
         assert {s["metadata"]["name"] for s in shrunk} < {s["metadata"]["name"] for s in grown}
+        assert sorted(r.method for r in writes(api)[before:]) == ["POST"] + ["PUT"] * 32
 
 
-async def test_a_change_raises_the_generation_of_every_slice_and_an_unchanged_tree_writes_nothing(
+async def test_fewer_slices_take_a_new_generation_and_the_obsolete_slices_go_once_it_is_complete(
     api: ApiServer, kubeconfig: Path
 ) -> None:
     async with publishing(kubeconfig) as running:
         await running.settle(tree(pool("things", ids(300))))
         assert await wait_published(api, "things", ids(300)) == 1
-        names = [s["metadata"]["name"] for s in slices_of(api, "things")]
-        # one device in the last slice turns unhealthy: all three slices go to generation 2
+        last = slices_of(api, "things")[-1]["metadata"]["name"]
+        before = len(writes(api))
+        await running.settle(tree(pool("things", ids(200))))  # slice 2 would be empty: two slices now
+        assert await wait_published(api, "things", ids(200)) == 2
+        made = writes(api)[before:]
+        assert [r.method for r in made] == ["PUT", "PUT", "DELETE"]  # the old slice goes last
+        assert made[-1].path == f"{SLICES_PATH}/{last}"
+
+
+async def test_a_change_in_one_slice_writes_that_slice_alone_and_an_unchanged_tree_writes_nothing(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(300))))
+        assert await wait_published(api, "things", ids(300)) == 1
+        first = slices_of(api, "things")
+        # one device in the last slice turns unhealthy: that slice alone, at generation 1
+        before = len(writes(api))
         await running.settle(tree(pool("things", ids(300), unhealthy=["d00299"])))
-        assert await wait_published(api, "things", ids(299)) == 2
-        assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
+        assert await wait_published(api, "things", ids(299)) == 1
+        after = slices_of(api, "things")
+        assert [r.path for r in writes(api)[before:]] == [f"{SLICES_PATH}/{first[2]['metadata']['name']}"]
+        assert [s["metadata"]["resourceVersion"] for s in after[:2]] == [s["metadata"]["resourceVersion"]
+                                                                          for s in first[:2]]
+        # back to healthy: it returns to the slice it left
+        await running.settle(tree(pool("things", ids(300))))
+        assert await wait_published(api, "things", ids(300)) == 1
         before = len(api.requests)
-        await running.settle(tree(pool("things", ids(300), unhealthy=["d00299"])))  # a new tree, the same devices
-        await running.settle(tree(pool("things", ids(300), unhealthy=["d00299"])))
+        await running.settle(tree(pool("things", ids(300))))  # a new tree, the same devices
+        await running.settle(tree(pool("things", ids(300))))
         assert api.requests[before:] == []
+
+
+async def test_a_new_device_goes_to_the_first_slice_with_room_wherever_its_name_sorts(
+    api: ApiServer, kubeconfig: Path
+) -> None:
+    every = ids(300)
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", every)))
+        await wait_published(api, "things", every)
+        without = [i for i in every if i != "d00010"]
+        await running.settle(tree(pool("things", without)))  # room in slice 0
+        before = len(writes(api))
+        await running.settle(tree(pool("things", [*without, "e-new"])))
+        await api.wait_until_async(lambda: "e-new" in [d["name"] for d in slices_of(api, "things")[0]["spec"]["devices"]],
+                                   5, "the new device in slice 0")
+        assert len(writes(api)[before:]) == 1  # one slice, though "e-new" sorts after every other
+        assert {s["spec"]["pool"]["generation"] for s in slices_of(api, "things")} == {1}
 
 
 async def test_two_pools_are_independent(api: ApiServer, kubeconfig: Path) -> None:
@@ -321,7 +371,7 @@ async def test_two_pools_are_independent(api: ApiServer, kubeconfig: Path) -> No
         pears = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, "pears")}
         before = len(writes(api))
         await running.settle(tree(pool("apples", ids(3)), pool("pears", ids(200))))
-        assert await wait_published(api, "apples", ids(3)) == 2
+        assert await wait_published(api, "apples", ids(3)) == 1
         assert {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, "pears")} == pears
         (write,) = writes(api)[before:]
         assert write.path == f"{SLICES_PATH}/{slices_of(api, 'apples')[0]['metadata']['name']}"
@@ -337,7 +387,7 @@ async def test_a_conflict_is_read_again_and_retried(
         (name,) = [s["metadata"]["name"] for s in slices_of(api, "things")]
         api.fail_next("PUT", SLICE_PATH, 409)
         await running.settle(tree(pool("things", ids(3))))
-        assert await wait_published(api, "things", ids(3)) == 2
+        assert await wait_published(api, "things", ids(3)) == 1
     assert logged(caplog, f"ResourceSlice {name} changed on the server; reading it again")
     assert [(r.method, r.status) for r in api.requests if r.path.endswith(name)] == [
         ("PUT", 409), ("GET", 200), ("PUT", 200)]
@@ -356,7 +406,7 @@ async def test_a_slice_changed_by_someone_else_is_put_right(api: ApiServer, kube
             await trio.to_thread.run_sync(kube.replace_slice, published["metadata"]["name"], tampered)
         finally:
             kube.close()
-        assert await wait_published(api, "things", ids(3)) == 2
+        assert await wait_published(api, "things", ids(3)) == 1  # put right in place
 
 async def test_a_slice_deleted_by_someone_else_is_published_again_in_its_place(
     api: ApiServer, kubeconfig: Path
@@ -526,7 +576,7 @@ async def test_an_outage_is_one_error_line_retried_with_a_capped_backoff_and_end
         running.pools.offer(tree(pool("things", ids(5))))  # the latest, while still down
         await wait_for_log(caplog, retry, count=tried + 2)  # a round that began after it failed too
         api.up()
-        assert await wait_published(api, "things", ids(5)) == 2  # never the intermediate one
+        assert await wait_published(api, "things", ids(5)) == 1  # never the intermediate one
         await wait_for_log(caplog, "(watching our ResourceSlices|ResourceSlices written) again", level=logging.INFO)
     (line,) = errors(caplog)  # one line for the outage, whichever task met it first
     assert "unreachable" in line
@@ -660,13 +710,13 @@ async def test_slices_of_other_drivers_and_nodes_are_never_touched(api: ApiServe
 async def test_a_restart_with_changed_devices_continues_the_generation(api: ApiServer, kubeconfig: Path) -> None:
     async with publishing(kubeconfig) as running:
         await running.settle(tree(pool("things", ids(300))))
-        await running.settle(tree(pool("things", ids(301))))
-        assert await wait_published(api, "things", ids(301)) == 2
-    names = [s["metadata"]["name"] for s in slices_of(api, "things")]
+        await running.settle(tree(pool("things", ids(384))))  # three full slices, in place
+        assert await wait_published(api, "things", ids(384)) == 1
+    names = {s["metadata"]["name"] for s in slices_of(api, "things")}
     async with publishing(kubeconfig) as running:
-        await running.settle(tree(pool("things", ids(302))))
-        assert await wait_published(api, "things", ids(302)) == 3
-    assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
+        await running.settle(tree(pool("things", ids(385))))  # a fourth slice: the next generation
+        assert await wait_published(api, "things", ids(385)) == 2
+    assert names < {s["metadata"]["name"] for s in slices_of(api, "things")}
 
 
 async def test_a_restart_adopts_the_slices_it_finds(api: ApiServer, kubeconfig: Path) -> None:
@@ -679,6 +729,20 @@ async def test_a_restart_adopts_the_slices_it_finds(api: ApiServer, kubeconfig: 
         await running.settle(tree(pool("things", ids(300))))
         assert writes(api)[before:] == []
         await running.settle(tree(pool("things", ids(299))))
-        assert await wait_published(api, "things", ids(299)) == 2
+        assert await wait_published(api, "things", ids(299)) == 1
     assert [s["metadata"]["name"] for s in slices_of(api, "things")] == names
-    assert [r.method for r in writes(api)[before:]] == ["PUT"] * 3
+    assert [r.method for r in writes(api)[before:]] == ["PUT"]  # the last slice alone
+
+
+async def test_a_restart_adopts_slices_whose_devices_are_not_in_name_order(api: ApiServer, kubeconfig: Path) -> None:
+    every = ids(300)
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", every)))
+        await running.settle(tree(pool("things", [*every[:10], *every[11:]])))  # room in slice 0
+        await running.settle(tree(pool("things", [*every[:10], *every[11:], "e-new"])))
+        await api.wait_until_async(lambda: "e-new" in [d["name"] for d in slices_of(api, "things")[0]["spec"]["devices"]],
+                                   5, "the new device in slice 0")
+    before = len(writes(api))
+    async with publishing(kubeconfig) as running:  # the same devices, arranged as they were placed
+        await running.settle(tree(pool("things", [*every[:10], *every[11:], "e-new"])))
+        assert writes(api)[before:] == []

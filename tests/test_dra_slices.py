@@ -16,7 +16,7 @@ from kubernetes.client import ApiClient
 from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
 from daemon.core._names import dns_subdomain_problem
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
-from daemon.dra._slices import generate_name
+from daemon.dra._slices import generate_name, slice_updates
 from tests import trees
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
@@ -338,3 +338,42 @@ def test_a_long_node_name_cut_on_a_dot_still_gives_a_valid_generate_name() -> No
     name = generate_name(0, 1, "devplugd.io", node)
     assert len(name) <= 58 and not name.endswith(".")
     assert dns_subdomain_problem(name.rstrip("-") + "abcde") is None
+
+
+# -- changes in place ----------------------------------------------------------------------------
+
+
+def _on_server(*slices: list[str], generation: int = 1, count: int | None = None) -> list[dict[str, Any]]:
+    return [{"metadata": {"name": f"{index:05x}-s"},
+             "spec": {"pool": {"generation": generation, "resourceSliceCount": count or len(slices)},
+                      "devices": [{"name": name} for name in names]}}
+            for index, names in enumerate(slices)]
+
+
+def _names(updates: dict[str, list[Any]] | None) -> dict[str, list[str]] | None:
+    return None if updates is None else {slice_name: [d["name"] for d in kept] for slice_name, kept in updates.items()}
+
+
+def test_a_change_in_place_keeps_each_device_in_its_slice_and_fills_the_first_with_room() -> None:
+    server = _on_server(["a", "b"], ["c", "d"])
+    wanted = [{"name": n} for n in ("a", "c", "d", "z")]
+    assert _names(slice_updates(server, wanted, max_devices=2)) == {"00000-s": ["a", "z"]}
+    assert _names(slice_updates(server, [{"name": n} for n in "abcd"], max_devices=2)) == {}
+    changed = {"name": "c", "attributes": {"x": {"int": 1}}}  # an attribute (or a taint) of one device
+    assert slice_updates(server, [{"name": "a"}, {"name": "b"}, changed, {"name": "d"}], max_devices=2) == {
+        "00001-s": [changed, {"name": "d"}]}
+
+
+def test_what_needs_a_new_generation_is_not_done_in_place() -> None:
+    server = _on_server(["a", "b"], ["c", "d"])
+    abcde = [{"name": n} for n in "abcde"]
+    assert slice_updates(server, abcde, max_devices=2) is None  # no room
+    assert slice_updates(server, [{"name": "a"}, {"name": "b"}], max_devices=2) is None  # a slice left empty
+    assert slice_updates(server, [{"name": n} for n in "abcd"], max_devices=1) is None  # the cap went down
+    assert slice_updates(_on_server(["a"], ["a"]), [{"name": "a"}]) is None  # a name in two slices
+    assert slice_updates(server, [{"name": "a"}, {"name": "a"}]) is None  # a name twice
+    assert slice_updates(_on_server(["a"], ["b"], count=3), [{"name": "a"}, {"name": "b"}]) is None  # incomplete
+    mixed = [*_on_server(["a"]), *_on_server(["b"], generation=2)]
+    assert slice_updates(mixed, [{"name": "a"}, {"name": "b"}]) is None
+    assert slice_updates([], [{"name": "a"}]) is None
+    assert _names(slice_updates(_on_server([]), [])) == {}  # an empty pool stays one empty slice

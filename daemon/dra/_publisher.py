@@ -34,7 +34,7 @@ from daemon.settings import Settings
 from daemon.supervise import Backoff
 
 from ._kube import ApiLink, Conflict, Invalid, Kube, KubeError, NotFound
-from ._slices import slice_bodies
+from ._slices import slice_bodies, slice_updates
 from ._view import Complaints, JsonObject, SliceView, slice_index
 
 log = logging.getLogger("devplugd.dra")
@@ -203,75 +203,106 @@ class SlicePublisher:
 
     def _up_to_date(self, pool: str, devices: list[JsonObject]) -> bool:
         """Whether the server's slices of ``pool`` publish ``devices``: they are as we left
-        them, or (after a restart, or someone else's write) they are what we would write at
-        their generation, which is then adopted as ours."""
+        them, or (after a restart, or someone else's write) they are ours, complete at one
+        generation, and hold exactly these device entries, in whichever slices: adopted as ours."""
         on_server = self._view.slices_of(pool)
         versions = {s["metadata"]["name"]: str(s["metadata"].get("resourceVersion")) for s in on_server}
         written = self._written.get(pool)
         if written is not None and written.versions == versions and written.devices == devices:
             return True
-        generations = {s["spec"]["pool"].get("generation") for s in on_server}
-        if len(generations) != 1 or not isinstance(generation := generations.pop(), int):
+        if not self._ours(pool, on_server) or slice_updates(on_server, devices) != {}:
             return False
-        bodies = self._bodies(pool, generation, devices)
-        if [slice_index(name) for name in versions] != list(range(len(bodies))) or any(
-                _essentials(item) != _essentials(body) for item, body in zip(on_server, bodies)):
-            return False
-        self._written[pool] = _Written(devices, generation, versions)
+        self._written[pool] = _Written(devices, on_server[0]["spec"]["pool"]["generation"], versions)
         return True
 
-    def _bodies(self, pool: str, generation: int, devices: list[JsonObject]) -> list[JsonObject]:
+    def _ours(self, pool: str, slices: list[JsonObject]) -> bool:
+        """Whether ``slices`` say what ours would, their devices aside: the owner (this node's
+        uid now), the driver, the node and the pool's name."""
+        expected = _essentials(self._bodies(pool, 0, [])[0])
+        return all(_essentials(item)[0] == expected[0]
+                   and {key: item["spec"].get(key) for key in ("driver", "nodeName")}
+                   == {key: expected[1][key] for key in ("driver", "nodeName")}
+                   and item["spec"]["pool"].get("name") == pool for item in slices)
+
+    def _bodies(self, pool: str, generation: int, devices: Sequence[Mapping[str, Any]]) -> list[JsonObject]:
         return slice_bodies(driver=self._driver, node_name=self._node, node_uid=self._node_uid,
                             pool_name=pool, generation=generation, devices=devices)
 
     async def _write_pool(self, kube: Kube, pool: str, devices: list[JsonObject]) -> bool:
-        """Write the pool's slices at its next generation; whether the server took them."""
+        """Publish ``devices`` as the pool's slices; whether the server took them. In place when
+        the change fits the slices there are (``slice_updates``: only the slices that change are
+        written, at the generation they have, so the pool stays complete and allocatable
+        throughout); else at the next generation, every slice written back to back and the
+        slices the new generation does not need deleted only once it is complete."""
         existing = self._view.slices_of(pool)
-        generations = [int(s["spec"]["pool"].get("generation", 0)) for s in existing]
-        last = self._written.get(pool)
-        generation = max([*generations, last.generation if last is not None else 0]) + 1
-        bodies = self._bodies(pool, generation, devices)
-        # Each body goes into the slice whose name has its index (so the names keep sorting in
-        # slice order, which is the allocator's order); any other slice of the pool is obsolete.
-        placed: dict[int, JsonObject] = {}
-        obsolete: list[JsonObject] = []
-        for item in existing:
-            index = slice_index(item["metadata"]["name"])
-            if index is None or index >= len(bodies) or index in placed:
-                obsolete.append(item)
-            else:
-                placed[index] = item
+        updates = slice_updates(existing, devices) if self._ours(pool, existing) else None
+        writes: list[tuple[JsonObject, JsonObject | None]]
+        if updates is not None:
+            generation = int(existing[0]["spec"]["pool"]["generation"])
+            by_name = {item["metadata"]["name"]: item for item in existing}
+            count = len(existing)
+            writes = [(self._bodies(pool, generation, kept)[0], by_name[name]) for name, kept in updates.items()]
+            for body, _ in writes:
+                body["spec"]["pool"]["resourceSliceCount"] = count
+            obsolete: list[JsonObject] = []
+        else:
+            generations = [int(s["spec"]["pool"].get("generation", 0)) for s in existing]
+            last = self._written.get(pool)
+            generation = max([*generations, last.generation if last is not None else 0]) + 1
+            bodies = self._bodies(pool, generation, devices)
+            count = len(bodies)
+            # Each body goes into the slice whose name has its index (so the names keep sorting
+            # in slice order, which is the allocator's order); any other slice is obsolete.
+            placed: dict[int, JsonObject] = {}
+            obsolete = []
+            for item in existing:
+                index = slice_index(item["metadata"]["name"])
+                if index is None or index >= len(bodies) or index in placed:
+                    obsolete.append(item)
+                else:
+                    placed[index] = item
+            writes = [(body, placed.get(index)) for index, body in enumerate(bodies)]
+        try:
+            versions = await self._write_slices(kube, writes)
+            await self._delete_slices(kube, obsolete)  # once the new generation is complete
+        except Invalid as error:
+            log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
+                      "not tried again until its devices change", pool, generation, len(devices), count,
+                      error, "; ".join(error.causes) or "none given", extra={"EVENT": "dra", "DRA_POOL": pool})
+            self._rejected[pool] = devices
+            self._metrics.dra_slice_write_failures.labels("refused").inc()
+            return False
+        if updates is not None:
+            versions = {name: str(item["metadata"].get("resourceVersion")) for name, item in by_name.items()
+                        if name not in updates} | versions
+        self._written[pool] = _Written(devices, generation, versions)
+        log.info("DRA: pool %s generation %d: %d devices in %d slices (%d written%s)", pool, generation,
+                 len(devices), count, len(writes), ", in place" if updates is not None else "",
+                 extra={"EVENT": "dra", "DRA_POOL": pool})
+        return True
+
+    async def _write_slices(self, kube: Kube, writes: list[tuple[JsonObject, JsonObject | None]]) -> dict[str, str]:
+        """Each body into its slice (``None``: a new one), all at once (each its own request: 8
+        slices take one PUT's time); the resourceVersion of each slice written. Raises the first
+        failure, a refusal (Invalid) before any other."""
         versions: dict[str, str] = {}
         failures: list[KubeError] = []
 
-        async def write(index: int, body: JsonObject) -> None:
+        async def write(body: JsonObject, current: JsonObject | None) -> None:
             async with self._writers:
                 try:
-                    written = await self._put_or_create(kube, body, placed.get(index))
+                    written = await self._put_or_create(kube, body, current)
                 except KubeError as error:
                     failures.append(error)
                     return
             versions[written["metadata"]["name"]] = str(written["metadata"]["resourceVersion"])
 
-        try:
-            await self._delete_slices(kube, obsolete)  # obsolete ones first
-            # the slices of a pool at once (each its own request): 8 slices take one PUT's time
-            async with trio.open_nursery() as nursery:
-                for index, body in enumerate(bodies):
-                    nursery.start_soon(write, index, body)
-            if failures:
-                raise next((f for f in failures if isinstance(f, Invalid)), failures[0])
-        except Invalid as error:
-            log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
-                      "not tried again until its devices change", pool, generation, len(devices), len(bodies),
-                      error, "; ".join(error.causes) or "none given", extra={"EVENT": "dra", "DRA_POOL": pool})
-            self._rejected[pool] = devices
-            self._metrics.dra_slice_write_failures.labels("refused").inc()
-            return False
-        self._written[pool] = _Written(devices, generation, versions)
-        log.info("DRA: pool %s generation %d: %d devices in %d slices", pool, generation, len(devices), len(bodies),
-                 extra={"EVENT": "dra", "DRA_POOL": pool})
-        return True
+        async with trio.open_nursery() as nursery:
+            for body, current in writes:
+                nursery.start_soon(write, body, current)
+        if failures:
+            raise next((f for f in failures if isinstance(f, Invalid)), failures[0])
+        return versions
 
     async def _put_or_create(self, kube: Kube, body: JsonObject, current: JsonObject | None) -> JsonObject:
         for _ in range(CONFLICT_RETRIES):

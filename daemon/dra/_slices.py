@@ -268,3 +268,50 @@ def slice_bodies(
             },
         })
     return bodies
+
+
+def slice_updates(
+    existing: Sequence[Mapping[str, Any]], devices: Sequence[Mapping[str, Any]],
+    max_devices: int = MAX_DEVICES_PER_SLICE,
+) -> dict[str, list[Mapping[str, Any]]] | None:
+    """How the pool's slices on the server (``existing``) come to publish ``devices`` without a
+    new generation: the new device list of each slice that changes, by slice name (``{}``: they
+    publish it already). A device stays in the slice it is in (its entry replaced, a taint or an
+    attribute changed), a device gone leaves its slice, a new one goes to the first slice with
+    room. No device ever moves between slices, so every state the writes pass through is a
+    complete pool without a duplicate, whichever slice lands first.
+
+    ``None`` when it takes a new generation: no slices, slices of several generations or fewer
+    than their ``resourceSliceCount`` (an incomplete pool), a device name in two slices or twice
+    in ``devices``, a slice over ``max_devices`` (the cap went down), no room for a new device,
+    or a slice of a pool of several left empty."""
+    if not existing:
+        return None
+    pools = {(s["spec"]["pool"].get("generation"), s["spec"]["pool"].get("resourceSliceCount")) for s in existing}
+    if len(pools) != 1 or next(iter(pools))[1] != len(existing):
+        return None
+    wanted = {device["name"]: device for device in devices}
+    if len(wanted) != len(devices):
+        return None
+    current: dict[str, list[Mapping[str, Any]]] = {}
+    placed: set[str] = set()
+    for item in existing:
+        on_server = item["spec"].get("devices") or []
+        if len(on_server) > max_devices:
+            return None
+        for device in on_server:
+            if device["name"] in placed:
+                return None
+            placed.add(device["name"])
+        current[item["metadata"]["name"]] = on_server
+    lists = {name: [wanted[d["name"]] for d in on_server if d["name"] in wanted] for name, on_server in current.items()}
+    for device in devices:
+        if device["name"] in placed:
+            continue
+        room = next((name for name, kept in lists.items() if len(kept) < max_devices), None)
+        if room is None:
+            return None
+        lists[room].append(device)
+    if len(lists) > 1 and any(not kept for kept in lists.values()):
+        return None
+    return {name: kept for name, kept in lists.items() if kept != current[name]}
