@@ -8,8 +8,9 @@ not a benchmark itself.
     ``time.monotonic()`` inside ``_commit``, under the stand-in's lock, right after the object is
     stored and offered to the watches. No polling: the stamp is taken by the thread that stores;
   * each time the stored slices of a pool form one complete generation (every slice of the pool
-    has the same ``spec.pool.generation`` and there are as many as its ``resourceSliceCount``),
-    that generation's device names are recorded with the stamp of the write that completed it.
+    has the same ``spec.pool.generation`` and there are as many as its ``resourceSliceCount``)
+    that is new or holds other devices than the last one recorded (a change in place keeps the
+    generation), its device names are recorded with the stamp of the write that completed it.
     A consumer that reads the pool then sees exactly these devices;
   * every HTTP request is stamped when the stand-in's handler starts (request line and headers
     read) and when its answer is written.
@@ -83,7 +84,7 @@ class StampedApiServer(ApiServer):
         self.generations: list[PoolGeneration] = []
         self.handled: list[Handled] = []
         self._pool_slices: dict[str, dict[str, tuple[int, int, frozenset[str]]]] = {}
-        self._complete: dict[str, int] = {}
+        self._complete: dict[str, tuple[int, frozenset[str]]] = {}
 
     def _commit(self, kind: str, obj: dict[str, Any], previous: Any) -> Any:
         stored = super()._commit(kind, obj, previous)
@@ -104,9 +105,9 @@ class StampedApiServer(ApiServer):
         counts = {c for _, c, _ in slices.values()}
         if slices and len(generations) == 1 and counts == {len(slices)}:
             (complete,) = generations
-            if self._complete.get(pool) != complete:
-                self._complete[pool] = complete
-                names = frozenset().union(*(n for _, _, n in slices.values()))
+            names = frozenset().union(*(n for _, _, n in slices.values()))
+            if self._complete.get(pool) != (complete, names):  # a new generation, or a change in place
+                self._complete[pool] = (complete, names)
                 self.generations.append(PoolGeneration(stamp, pool, complete, len(slices), names,
                                                        len(self.writes) - 1))
         return stored

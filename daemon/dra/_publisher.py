@@ -56,15 +56,25 @@ class WantedPool:
 
 class _Written:
     """What a pool's slices on the server hold as far as we know: the devices we wrote (or found
-    there as we would have written them), their generation, and the resourceVersion of each
-    slice as we left it: any other version means someone else wrote since."""
+    there as we would have written them), their generation, the resourceVersion of each slice as
+    we left it (any other version means someone else wrote since), and each slice's devices as
+    the entries we wrote, by slice name: while the versions are ours, a change is placed against
+    these (an unchanged device is the same object, compared in no time) instead of the server's
+    copies (4096 devices compared field by field: tens of milliseconds)."""
 
-    __slots__ = ("devices", "generation", "versions")
+    __slots__ = ("devices", "generation", "slices", "versions")
 
-    def __init__(self, devices: list[JsonObject], generation: int, versions: dict[str, str]) -> None:
+    def __init__(self, devices: list[JsonObject], generation: int, versions: dict[str, str],
+                 slices: dict[str, list[Mapping[str, Any]]]) -> None:
         self.devices = devices
         self.generation = generation
         self.versions = versions
+        self.slices = slices
+
+
+def _versions(slices: Sequence[JsonObject]) -> dict[str, str]:
+    """Each slice's resourceVersion, by name."""
+    return {s["metadata"]["name"]: str(s["metadata"].get("resourceVersion")) for s in slices}
 
 
 def _essentials(obj: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -206,13 +216,14 @@ class SlicePublisher:
         them, or (after a restart, or someone else's write) they are ours, complete at one
         generation, and hold exactly these device entries, in whichever slices: adopted as ours."""
         on_server = self._view.slices_of(pool)
-        versions = {s["metadata"]["name"]: str(s["metadata"].get("resourceVersion")) for s in on_server}
+        versions = _versions(on_server)
         written = self._written.get(pool)
-        if written is not None and written.versions == versions and written.devices == devices:
-            return True
+        if written is not None and written.versions == versions:
+            return written.devices == devices  # the same objects, where unchanged: fast
         if not self._ours(pool, on_server) or slice_updates(on_server, devices) != {}:
             return False
-        self._written[pool] = _Written(devices, on_server[0]["spec"]["pool"]["generation"], versions)
+        self._written[pool] = _Written(devices, on_server[0]["spec"]["pool"]["generation"], versions,
+                                       {s["metadata"]["name"]: s["spec"].get("devices") or [] for s in on_server})
         return True
 
     def _ours(self, pool: str, slices: list[JsonObject]) -> bool:
@@ -235,7 +246,9 @@ class SlicePublisher:
         throughout); else at the next generation, every slice written back to back and the
         slices the new generation does not need deleted only once it is complete."""
         existing = self._view.slices_of(pool)
-        updates = slice_updates(existing, devices) if self._ours(pool, existing) else None
+        written = self._written.get(pool)
+        held = written.slices if written is not None and written.versions == _versions(existing) else None
+        updates = slice_updates(existing, devices, held=held) if self._ours(pool, existing) else None
         writes: list[tuple[JsonObject, JsonObject | None]]
         if updates is not None:
             generation = int(existing[0]["spec"]["pool"]["generation"])
@@ -263,7 +276,7 @@ class SlicePublisher:
                     placed[index] = item
             writes = [(body, placed.get(index)) for index, body in enumerate(bodies)]
         try:
-            versions = await self._write_slices(kube, writes)
+            names = await self._write_slices(kube, writes)
             await self._delete_slices(kube, obsolete)  # once the new generation is complete
         except Invalid as error:
             log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
@@ -272,37 +285,40 @@ class SlicePublisher:
             self._rejected[pool] = devices
             self._metrics.dra_slice_write_failures.labels("refused").inc()
             return False
-        if updates is not None:
-            versions = {name: str(item["metadata"].get("resourceVersion")) for name, item in by_name.items()
-                        if name not in updates} | versions
-        self._written[pool] = _Written(devices, generation, versions)
+        slices = {name: held[name] if held is not None else item["spec"].get("devices") or []
+                  for name, item in by_name.items()} if updates is not None else {}
+        versions = _versions(existing) if updates is not None else {}
+        for (body, _), (name, version) in zip(writes, names):
+            slices[name], versions[name] = body["spec"]["devices"], version
+        self._written[pool] = _Written(devices, generation, versions, slices)
         log.info("DRA: pool %s generation %d: %d devices in %d slices (%d written%s)", pool, generation,
                  len(devices), count, len(writes), ", in place" if updates is not None else "",
                  extra={"EVENT": "dra", "DRA_POOL": pool})
         return True
 
-    async def _write_slices(self, kube: Kube, writes: list[tuple[JsonObject, JsonObject | None]]) -> dict[str, str]:
+    async def _write_slices(self, kube: Kube,
+                            writes: list[tuple[JsonObject, JsonObject | None]]) -> list[tuple[str, str]]:
         """Each body into its slice (``None``: a new one), all at once (each its own request: 8
-        slices take one PUT's time); the resourceVersion of each slice written. Raises the first
-        failure, a refusal (Invalid) before any other."""
-        versions: dict[str, str] = {}
+        slices take one PUT's time); the name and resourceVersion of each slice written, in the
+        order of ``writes``. Raises the first failure, a refusal (Invalid) before any other."""
+        written: list[tuple[str, str] | None] = [None] * len(writes)
         failures: list[KubeError] = []
 
-        async def write(body: JsonObject, current: JsonObject | None) -> None:
+        async def write(index: int, body: JsonObject, current: JsonObject | None) -> None:
             async with self._writers:
                 try:
-                    written = await self._put_or_create(kube, body, current)
+                    answer = await self._put_or_create(kube, body, current)
                 except KubeError as error:
                     failures.append(error)
                     return
-            versions[written["metadata"]["name"]] = str(written["metadata"]["resourceVersion"])
+            written[index] = (answer["metadata"]["name"], str(answer["metadata"]["resourceVersion"]))
 
         async with trio.open_nursery() as nursery:
-            for body, current in writes:
-                nursery.start_soon(write, body, current)
+            for index, (body, current) in enumerate(writes):
+                nursery.start_soon(write, index, body, current)
         if failures:
             raise next((f for f in failures if isinstance(f, Invalid)), failures[0])
-        return versions
+        return [entry for entry in written if entry is not None]
 
     async def _put_or_create(self, kube: Kube, body: JsonObject, current: JsonObject | None) -> JsonObject:
         for _ in range(CONFLICT_RETRIES):

@@ -272,7 +272,7 @@ def slice_bodies(
 
 def slice_updates(
     existing: Sequence[Mapping[str, Any]], devices: Sequence[Mapping[str, Any]],
-    max_devices: int = MAX_DEVICES_PER_SLICE,
+    max_devices: int = MAX_DEVICES_PER_SLICE, held: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, list[Mapping[str, Any]]] | None:
     """How the pool's slices on the server (``existing``) come to publish ``devices`` without a
     new generation: the new device list of each slice that changes, by slice name (``{}``: they
@@ -284,7 +284,11 @@ def slice_updates(
     ``None`` when it takes a new generation: no slices, slices of several generations or fewer
     than their ``resourceSliceCount`` (an incomplete pool), a device name in two slices or twice
     in ``devices``, a slice over ``max_devices`` (the cap went down), no room for a new device,
-    or a slice of a pool of several left empty."""
+    or a slice of a pool of several left empty.
+
+    ``held``: each slice's devices as the caller knows them to be there (the entries it wrote,
+    by slice name), compared instead of the server's copies: an entry that did not change is
+    the same object, so comparing costs nothing for it."""
     if not existing:
         return None
     pools = {(s["spec"]["pool"].get("generation"), s["spec"]["pool"].get("resourceSliceCount")) for s in existing}
@@ -296,14 +300,15 @@ def slice_updates(
     current: dict[str, list[Mapping[str, Any]]] = {}
     placed: set[str] = set()
     for item in existing:
-        on_server = item["spec"].get("devices") or []
+        name = item["metadata"]["name"]
+        on_server = list(held[name]) if held is not None and name in held else item["spec"].get("devices") or []
         if len(on_server) > max_devices:
             return None
         for device in on_server:
             if device["name"] in placed:
                 return None
             placed.add(device["name"])
-        current[item["metadata"]["name"]] = on_server
+        current[name] = on_server
     lists = {name: [wanted[d["name"]] for d in on_server if d["name"] in wanted] for name, on_server in current.items()}
     for device in devices:
         if device["name"] in placed:
