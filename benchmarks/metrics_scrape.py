@@ -17,14 +17,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 
 from prometheus_client import generate_latest
 
-from daemon.checkpoint import CHECKPOINT_NAME
-from daemon.core import DeviceInfo, ResourcePool
+from daemon.checkpoint import CHECKPOINT_NAME, CheckpointReader
+from daemon.core import DeviceInfo
 from daemon.core._tree import DeviceTree
 from daemon.metrics import Metrics
+from tests import trees
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def _tree(pools: int, devices: int) -> tuple[DeviceTree, list[tuple[str, str]]]:
             address = f"0000:{0x10 + index:02x}:{number // 8:02x}.{number % 8}"
             members[address] = DeviceInfo(numa_nodes=(index % 2,), details=_Record(address))
             ids.append((resource, address))
-        built.append(ResourcePool(resource, "pci", None, MappingProxyType(members)))  # type: ignore[arg-type]
+        built.append(trees.pool(resource, members, handler="pci"))
     return DeviceTree.build(1, built), ids
 
 
@@ -61,7 +61,7 @@ def main() -> None:
                     "DeviceIDs": {"-1": [device]}, "AllocResp": ""}
                    for n, (resource, device) in enumerate(ids[:args.allocated])]
         (plugin_dir / CHECKPOINT_NAME).write_text(json.dumps({"Data": {"PodDeviceEntries": entries}, "Checksum": 1}))
-        metrics = Metrics(plugin_dir, standard=True)
+        metrics = Metrics(CheckpointReader(plugin_dir), standard=True)
         metrics.tree.offer(tree)
         times, size = [], 0
         for _ in range(args.scrapes):

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -42,6 +41,7 @@ from daemon.metrics import Metrics
 from daemon.settings import Settings
 from tests.apiserver import SLICES_PATH, ApiServer
 from tests.daemonrun import REPO_ROOT
+from tests.waiting import wait_until_async
 
 DEPLOY = REPO_ROOT / "deploy"
 ALERTS = DEPLOY / "alerts"
@@ -375,12 +375,6 @@ async def _publish_through_failures(api: ApiServer, kubeconfig: Path) -> Metrics
     metrics = Metrics()
     sample = metrics.registry.get_sample_value
 
-    async def until(what: str, done: Callable[[], bool]) -> None:
-        with trio.move_on_after(10):
-            while not done():
-                await trio.sleep(0.01)
-        assert done(), f"the publisher did not get to {what}"
-
     pools: list[DraPools] = []
     publisher = SlicePublisher(settings, link, metrics, on_server=lambda on_server: pools[0].on_server(on_server))
     pools.append(DraPools(DRA_DRIVER, DRA_NODE, {}, publisher))
@@ -389,12 +383,12 @@ async def _publish_through_failures(api: ApiServer, kubeconfig: Path) -> Metrics
             nursery.start_soon(publisher.run)
             api.fail_next("POST", SLICES_PATH + "$", 422, message="ResourceSlice.resource.k8s.io is invalid: injected")
             pools[0].offer(_dra_tree(1, 2))
-            await until("a refused pool", lambda: sample("devplugd_dra_pools_refused") == 1)
+            await wait_until_async(lambda: sample("devplugd_dra_pools_refused") == 1, what="a refused pool")
             assert sample(WRITE_FAILURES, {"reason": "refused"}) == 1
             api.fail_next("POST", SLICES_PATH + "$", 500, message="injected")
             pools[0].offer(_dra_tree(2, 3))  # its devices changed: tried again, failed once, retried
-            await until("the pool written", lambda: sample("devplugd_dra_pools_refused") == 0 and bool(
-                sample("devplugd_dra_slice_writes_total", {"operation": "create"})))
+            await wait_until_async(lambda: sample("devplugd_dra_pools_refused") == 0 and bool(
+                sample("devplugd_dra_slice_writes_total", {"operation": "create"})), what="the pool written")
             assert sample(WRITE_FAILURES, {"reason": "error"}) == 1
             assert sample(WRITE_FAILURES, {"reason": "refused"}) == 1
             nursery.cancel_scope.cancel()

@@ -197,10 +197,10 @@ def test_a_lost_lease_book_holds_every_device_until_an_operator_clears_it(sriov,
     wait_for_control(short_tmp)
     (aside,) = (short_tmp / "state").glob("leases.json.corrupt-*")
     assert aside.read_bytes() == content  # kept for the operator
-    kubelet.wait_for(lambda k: "intel.com/dpdk" in k.resources and k.resources["intel.com/dpdk"].registrations,
-                     what="registered")
-    time.sleep(0.3)
-    assert kubelet.state("intel.com/dpdk").devices == {}  # nothing offered to the kubelet
+    # the first list the kubelet gets (a full list) is empty: nothing offered to the kubelet
+    kubelet.wait_for(lambda k: "intel.com/dpdk" in k.resources and k.resources["intel.com/dpdk"].messages,
+                     what="the first list")
+    assert kubelet.state("intel.com/dpdk").messages[0] == {} and kubelet.state("intel.com/dpdk").devices == {}
     listed = cli(short_tmp, "list", "-o", "json")
     assert {d["holder"] for d in json.loads(listed.stdout)[0]["devices"]} == {"lost-lease-book"}
     assert f"LOST BOOK: the lease book {short_tmp / 'state' / 'leases.json'}" in listed.stderr
