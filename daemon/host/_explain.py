@@ -19,7 +19,7 @@ from daemon.core._handler import AnyHandler
 from daemon.core._tree import DeviceTree
 from daemon.holdings import HolderLookup
 
-from ._messages import device_message
+from ._messages import device_message, holder_text
 
 GONE = "gone from the host while held: listed Unhealthy until its holder lets it go"
 
@@ -78,9 +78,7 @@ def summary(device: str, explanations: list[Explanation], response: host.Explain
         if pool.health_reason:
             said += f" ({pool.health_reason})"
         if pool.device.holder:
-            held = pool.device.holder
-            owner = f" {pool.device.lease} {pool.device.owner}".rstrip() if held != "free" else ""
-            said += f", {held}{owner}"
+            said += f", {holder_text(pool.device)}"
         return f"{said}, through {pool.allocation_api}"
     if not explanations:
         return (f"devplugd sees no device {device!r}: not a PCI address or netdev, /dev path, USB ID or port, "

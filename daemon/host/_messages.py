@@ -1,4 +1,4 @@
-"""How the host API shows a device of a pool and who holds it (List, Watch, Explain)."""
+"""How the host API shows a device of a pool and who holds it (List, Watch, Explain, the CLI)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,11 @@ def device_message(pool: ResourcePool, device_id: str, holder: Holder | None) ->
     else:  # a lost book: where its file went, and why
         device.lease, device.owner = holder.name, holder.detail
     return device
+
+
+def holder_text(device: host.Device) -> str:
+    """Who holds ``device`` as the CLI and explain's summary say it: ``free``, or its holder with
+    the lease and owner it names."""
+    if device.holder == "free":
+        return "free"
+    return device.holder + f" {device.lease} {device.owner}".rstrip()

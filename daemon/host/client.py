@@ -19,8 +19,10 @@ import grpc
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
+from daemon.core import LEFT_OUT, TOOK
 
 from ._leases import Lease
+from ._messages import holder_text
 
 EXIT_OK = 0
 EXIT_REFUSED = 1
@@ -72,9 +74,8 @@ def command_list(control_socket: Path, output: str) -> int:
     if output == "json":
         print(json.dumps(pools, indent=1))
         return EXIT_OK
-    rows = [[p["resource"], p["allocation_api"], d["id"], d["health"], ",".join(map(str, d["numa_nodes"])) or "-",
-             d["holder"] + (f" {d.get('lease', '')} {d.get('owner', '')}".rstrip() if d["holder"] != "free" else "")]
-            for p in pools for d in p["devices"]]
+    rows = [[p.resource, p.allocation_api or "devicePlugin", d.id, d.health, ",".join(map(str, d.numa_nodes)) or "-",
+             holder_text(d)] for p in response.pools for d in p.devices]
     rows += [[p["resource"], p["allocation_api"], "-", "-", "-", f"no devices: {p['no_devices']}"]
              for p in pools if not p["devices"] and "no_devices" in p]
     _print_table(rows, ["RESOURCE", "API", "DEVICE", "HEALTH", "NUMA", "HOLDER"])
@@ -192,7 +193,7 @@ def explanation_json(response: host.ExplainResponse) -> dict[str, Any]:
     for pool in response.pools:
         entry: dict[str, Any] = {"resource": pool.resource, "device_type": pool.device_type,
                                  "outcome": pool.outcome, "reason": pool.reason}
-        if pool.outcome == "took":
+        if pool.outcome == TOOK:
             entry.update(device=_device_json(pool.device), health_reason=pool.health_reason,
                          allocation_api=pool.allocation_api)
         pools.append(entry)
@@ -202,13 +203,12 @@ def explanation_json(response: host.ExplainResponse) -> dict[str, Any]:
 
 
 def _verdict_text(pool: host.PoolVerdict) -> str:
-    if pool.outcome == "took":
+    if pool.outcome == TOOK:
         device = pool.device
         health = device.health + (f" ({pool.health_reason})" if pool.health_reason else "")
-        held = f", {device.holder}" + (f" {device.lease} {device.owner}".rstrip() if device.holder != "free" else "") \
-            if device.holder else ""
+        held = f", {holder_text(device)}" if device.holder else ""
         return f"takes it as {device.id} ({pool.reason}): {health}{held}, through {pool.allocation_api}"
-    if pool.outcome == "left out":
+    if pool.outcome == LEFT_OUT:
         return f"left out: {pool.reason}"
     return pool.reason
 
