@@ -34,7 +34,7 @@ from daemon.settings import Settings
 from daemon.supervise import Backoff
 
 from ._kube import ApiLink, Conflict, Invalid, Kube, KubeError, NotFound
-from ._slices import slice_bodies, slice_updates
+from ._slices import slice_bodies, slice_body, slice_updates
 from ._view import Complaints, JsonObject, SliceView, slice_index
 
 log = logging.getLogger("devplugd.dra")
@@ -254,9 +254,9 @@ class SlicePublisher:
             generation = int(existing[0]["spec"]["pool"]["generation"])
             by_name = {item["metadata"]["name"]: item for item in existing}
             count = len(existing)
-            writes = [(self._bodies(pool, generation, kept)[0], by_name[name]) for name, kept in updates.items()]
-            for body, _ in writes:
-                body["spec"]["pool"]["resourceSliceCount"] = count
+            writes = [(slice_body(driver=self._driver, node_name=self._node, node_uid=self._node_uid, pool_name=pool,
+                                  generation=generation, index=slice_index(name) or 0, count=count, devices=kept),
+                       by_name[name]) for name, kept in updates.items()]
             obsolete: list[JsonObject] = []
         else:
             generations = [int(s["spec"]["pool"].get("generation", 0)) for s in existing]

@@ -246,28 +246,42 @@ def slice_bodies(
     if generation < 0:
         raise ValueError(f"generation must not be negative, not {generation}")
     chunks = [list(devices[start:start + max_devices]) for start in range(0, len(devices), max_devices)] or [[]]
-    bodies = []
-    for index, chunk in enumerate(chunks):
-        metadata: dict[str, Any] = {
-            "generateName": generate_name(index, len(chunks), driver, node_name),
-            "labels": dict(MANAGED_BY),
-        }
-        if node_uid is not None:
-            metadata["ownerReferences"] = [
-                {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True},
-            ]
-        bodies.append({
-            "apiVersion": API_VERSION,
-            "kind": "ResourceSlice",
-            "metadata": metadata,
-            "spec": {
-                "driver": driver,
-                "nodeName": node_name,
-                "pool": {"name": pool_name, "generation": generation, "resourceSliceCount": len(chunks)},
-                "devices": chunk,
-            },
-        })
-    return bodies
+    return [slice_body(driver=driver, node_name=node_name, node_uid=node_uid, pool_name=pool_name,
+                       generation=generation, index=index, count=len(chunks), devices=chunk)
+            for index, chunk in enumerate(chunks)]
+
+
+def slice_body(
+    *,
+    driver: str,
+    node_name: str,
+    node_uid: str | None,
+    pool_name: str,
+    generation: int,
+    index: int,
+    count: int,
+    devices: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """Slice ``index`` of the ``count`` slices of one pool at ``generation``, holding ``devices``."""
+    metadata: dict[str, Any] = {
+        "generateName": generate_name(index, count, driver, node_name),
+        "labels": dict(MANAGED_BY),
+    }
+    if node_uid is not None:
+        metadata["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": node_uid, "controller": True},
+        ]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "ResourceSlice",
+        "metadata": metadata,
+        "spec": {
+            "driver": driver,
+            "nodeName": node_name,
+            "pool": {"name": pool_name, "generation": generation, "resourceSliceCount": count},
+            "devices": list(devices),
+        },
+    }
 
 
 def slice_updates(
