@@ -134,7 +134,9 @@ def explain(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], name:
 
 
 def _admits(device: PciDevice, pool: ConfiguredPool[PciPoolSpec], ddp_profile: Callable[[str], str | None]) -> bool:
-    return ineligibility(device, pool.spec.device_type) is None and None in _mismatches(device, pool.spec, ddp_profile)
+    """The build's own test (``_pools``' placer): no reasons made, it runs for every function."""
+    return ineligibility(device, pool.spec.device_type) is None and any(
+        selector.refusing_key(device, ddp_profile) is None for selector in pool.spec.selectors)
 
 
 def why_empty(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], resource: str) -> str:
