@@ -131,6 +131,15 @@ class Metrics:
                                        "left the API server publishing what the tree says.")
         self.dra_api_connected = gauge("devplugd_dra_api_connected", "1 once the API server answered and this "
                                        "node's Node object was found (ResourceSlices can be published).")
+        self.dra_device_taints = gauge(
+            "devplugd_dra_device_taints", "Devices published in ResourceSlices with a taint, by pool and cause "
+            "(the taint key's name: carrier-lost, pcie-error, vanished, unhealthy).", ("resource", "cause"))
+        self.dra_claim_status_writes = counter(
+            "devplugd_dra_claim_status_writes", "Writes of a ResourceClaim's status.devices, by outcome (written, "
+            "failed: retried).", ("outcome",))
+        self.dra_orphaned_claims = counter(
+            "devplugd_dra_orphaned_claims", "Prepared claims devplugd unprepared itself because their "
+            "ResourceClaim is gone from the API server or has another UID.")
         self.dra_reaction = histogram(
             "devplugd_event_to_resourceslice_seconds", "From an event reaching the event loop to the "
             "ResourceSlices of the pool it changed written on the API server.", REACTION_BUCKETS, ("resource",))
