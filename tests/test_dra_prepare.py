@@ -285,6 +285,73 @@ async def test_request_names_lose_their_subrequest_and_repeats(node: Node) -> No
                                                                         (NET_VFS[1], ("nic",))]
 
 
+# -- prioritized lists (KEP-4816): results of <main>/<subrequest> ---------------------------
+
+
+async def test_subrequest_results_are_prepared_for_their_main_request_one_allocate_each(node: Node) -> None:
+    # nic: firstAvailable [fast (2 iavf VFs), slow]; two containers' requests with a subrequest each
+    ref = node.api.add(claim_json(1, "prioritized", [
+        result(NET, NET_VFS[0], "nic/fast"), result(NET, NET_VFS[1], "nic/fast"),
+        result(DPDK, VFIO_VFS[0], "container-0/dpdk"), result(DPDK, VFIO_VFS[1], "container-1/dpdk")]))
+    answer = await node.prepare_one(ref)
+    assert answer.error is None
+    assert [(d.device_id, d.request_names, d.cdi_id) for d in answer.devices] == [
+        (NET_VFS[0], ("nic",), f"devplugd.io/claim={uid(1)}-0000-3b-02-0"),
+        (NET_VFS[1], ("nic",), f"devplugd.io/claim={uid(1)}-0000-3b-02-1"),
+        (VFIO_VFS[0], ("container-0",), f"devplugd.io/claim={uid(1)}-0000-3b-02-2"),
+        (VFIO_VFS[1], ("container-1",), f"devplugd.io/claim={uid(1)}-0000-3b-02-3")]
+    devices = {device["name"]: device["containerEdits"] for device in node.spec(uid(1))["devices"]}
+    assert list(devices) == [cdi_id.split("=", 1)[1] for cdi_id in (d.cdi_id for d in answer.devices)]
+    # the subrequest's two VFs are one container's: one Allocate of both, as the device plugin gives
+    both = node.device_plugin_envs(NET, NET_VFS)
+    assert allocation_env(devices[f"{uid(1)}-0000-3b-02-0"]) == allocation_env(devices[f"{uid(1)}-0000-3b-02-1"])
+    assert allocation_env(devices[f"{uid(1)}-0000-3b-02-0"]) == both
+    # each main request its own container: never its neighbour's VF
+    assert env_of(devices[f"{uid(1)}-0000-3b-02-2"])["PCIDEVICE_INTEL_COM_DPDK"] == VFIO_VFS[0]
+    assert env_of(devices[f"{uid(1)}-0000-3b-02-3"])["PCIDEVICE_INTEL_COM_DPDK"] == VFIO_VFS[1]
+    assert node.devinfo_files() == [f"intel.com-dpdk-{vf}-device.json" for vf in VFIO_VFS] + [
+        f"intel.com-sriov_net-{vf}-device.json" for vf in NET_VFS]
+    (entry,) = node.checkpoint()["claims"]
+    assert [d["request_names"] for d in entry["devices"]] == [["nic"], ["nic"], ["container-0"], ["container-1"]]
+    assert await node.preparer.unprepare([ref]) == {uid(1): None}
+    assert node.devinfo_files() == [] and not node.spec_path(uid(1)).exists()
+
+
+@pytest.mark.parametrize(
+    ("requests", "applies"),
+    [([], True), (["nic"], True), (["nic/fast"], True), (["other", "nic/fast"], True),
+     (["nic/slow"], False), (["other"], False), (["nic/fast/x"], False)],
+)
+async def test_config_naming_the_main_request_or_the_chosen_subrequest_applies(
+    node: Node, requests: list[str], applies: bool
+) -> None:
+    config = [{"source": "FromClass", "requests": requests, "opaque": {"driver": DRIVER, "parameters": {}}}]
+    ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0], "nic/fast")], config=config))
+    answer = await node.prepare_one(ref)
+    if applies:
+        shown = ", ".join(requests) or "all requests"
+        assert answer.error == (
+            "claim default/vfs: devplugd takes no claim parameters yet, but status.allocation.devices.config[0] is an "
+            f"opaque config for devplugd.io (source FromClass, {shown}) that applies to the result of request nic/fast")
+    else:  # a config of the subrequest the allocation did not choose is nobody's
+        assert answer.error is None and [d.device_id for d in answer.devices] == [NET_VFS[0]]
+
+
+async def test_config_of_ours_with_no_result_of_ours_applies_to_nothing(node: Node) -> None:
+    config = [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": {}}}]
+    ref = node.api.add(claim_json(1, "gpu", [{"request": "gpu", "driver": OTHER_DRIVER, "pool": "x", "device": "g"}],
+                                  config=config))
+    assert await node.prepare_one(ref) == PrepareResult()
+
+
+@pytest.mark.parametrize("request_name", ["nic/fast/x", "/fast", "nic/", "/"])
+async def test_result_request_that_is_no_request_nor_subrequest_is_refused(node: Node, request_name: str) -> None:
+    ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0], request_name)]))
+    assert (await node.prepare_one(ref)).error == (
+        "claim default/vfs: malformed claim from the API server: status.allocation.devices.results[0].request "
+        f"{request_name!r} is neither <request> nor <request>/<subrequest>")
+
+
 async def test_prepared_claim_is_checkpointed(node: Node) -> None:
     ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])], namespace="team"))
     await node.prepare_one(ref)
@@ -456,7 +523,8 @@ async def test_opaque_config_for_our_driver_is_refused(node: Node) -> None:
     ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])], config=config))
     assert (await node.prepare_one(ref)).error == (
         "claim default/vfs: devplugd takes no claim parameters yet, but status.allocation.devices.config[0] is an "
-        "opaque config for devplugd.io (source FromClaim, req)")
+        "opaque config for devplugd.io (source FromClaim, req) that applies to the result of request req")
+    assert not node.spec_path(uid(1)).exists() and node.book.prepared(uid(1)) is None
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,11 @@
 """DRA claims: as the kubelet names them, as the API server allocated them (``driver_results``
 reads and checks ``status.allocation``), and as this node prepared them (``ClaimBook``).
 
+A result of a prioritized list (KEP-4816, ``firstAvailable``) names its request
+``<main>/<subrequest>``; the pod spec and the kubelet know only ``<main>`` (``base_request``), and
+a config applies to a result when it names no request, its main request or its subrequest
+(``config_applies``: upstream's ``resourceclaim.BaseRequestRef`` and ``ConfigForResult``).
+
 Each prepared claim is recorded with its devices (which pool, which device, the requests they
 serve, whether the allocation is admin access) and the CDI spec that was written for it, so an
 Unprepare after a restart knows what to undo and a spec that went missing (``/var/run`` is a
@@ -21,7 +26,8 @@ may have been prepared before is unprepared (see ``ClaimPreparer``) or an operat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,19 +63,44 @@ class ClaimRefused(Exception):
 
 @dataclass(frozen=True)
 class AllocationResult:
-    """One ``status.allocation.devices.results[]`` entry of our driver."""
+    """One ``status.allocation.devices.results[]`` entry of our driver. ``request`` as the
+    allocation names it (``<main>/<subrequest>`` for a prioritized list); ``share_id`` is the
+    result's ``shareID`` (one share of a device allocated with consumable capacity), or ``None``."""
 
     request: str
     pool: str
     device: str
     admin_access: bool
+    share_id: str | None = None
+
+    @property
+    def main_request(self) -> str:
+        return base_request(self.request)
+
+
+# a result's request: a request's name, or a request's and one of its subrequests' (KEP-4816)
+_REQUEST = re.compile(r"[^/]+(?:/[^/]+)?")
+
+
+def base_request(request: str) -> str:
+    """The request a pod's containers name (``nic`` of ``nic/fast``), as upstream's
+    ``resourceclaim.BaseRequestRef``."""
+    return request.split("/", 1)[0]
+
+
+def config_applies(config_requests: Sequence[str], request: str) -> bool:
+    """Whether a config naming ``config_requests`` applies to a result of ``request``: it names
+    none (it is for every request), the result's request, or its main request (upstream's
+    ``resourceclaim.ConfigForResult``)."""
+    return not config_requests or request in config_requests or base_request(request) in config_requests
 
 
 def driver_results(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list[AllocationResult]:
     """The allocation results of ``driver`` in ``claim`` as the API server returns it, checked:
-    the UID the kubelet named, allocated, well formed, no opaque config for ``driver`` (devplugd
-    takes no claim parameters yet); results of other drivers are left out. ClaimRefused says
-    what is wrong."""
+    the UID the kubelet named, allocated, well formed, no opaque config for ``driver`` that
+    applies to one of them (devplugd takes no claim parameters yet; a config naming only a
+    subrequest the allocation did not choose applies to nothing); results of other drivers are
+    left out. ClaimRefused says what is wrong."""
     label = ref.label
 
     def malformed(what: str) -> ClaimRefused:
@@ -89,19 +120,6 @@ def driver_results(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list
         raise ClaimRefused(f"{label} not allocated")
     allocation = _object(allocation, "status.allocation", malformed)
     devices = _object(allocation.get("devices") or {}, "status.allocation.devices", malformed)
-    for index, entry in enumerate(_list(devices.get("config"), "status.allocation.devices.config", malformed)):
-        where = f"status.allocation.devices.config[{index}]"
-        entry = _object(entry, where, malformed)
-        if entry.get("opaque") is None:
-            continue
-        opaque = _object(entry["opaque"], f"{where}.opaque", malformed)
-        if not isinstance(opaque.get("driver"), str):
-            raise malformed(f"{where}.opaque.driver is not a string")
-        if opaque["driver"] == driver:
-            requests = entry.get("requests") or []
-            shown = ", ".join(map(str, requests)) if isinstance(requests, list) and requests else "all requests"
-            raise ClaimRefused(f"{label}: devplugd takes no claim parameters yet, but {where} is an opaque config "
-                               f"for {driver} (source {entry.get('source')}, {shown})")
     results = []
     for index, item in enumerate(_list(devices.get("results"), "status.allocation.devices.results", malformed)):
         where = f"status.allocation.devices.results[{index}]"
@@ -113,10 +131,35 @@ def driver_results(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list
         for key in ("request", "pool", "device"):
             if not isinstance(item.get(key), str) or not item[key]:
                 raise malformed(f"{where}.{key} is missing or not a non-empty string")
+        if not _REQUEST.fullmatch(item["request"]):
+            raise malformed(f"{where}.request {item['request']!r} is neither <request> nor <request>/<subrequest>")
         admin_access = item.get("adminAccess")
         if admin_access is not None and not isinstance(admin_access, bool):
             raise malformed(f"{where}.adminAccess is not true or false")
-        results.append(AllocationResult(item["request"], item["pool"], item["device"], bool(admin_access)))
+        share_id = item.get("shareID")
+        if share_id is not None and (not isinstance(share_id, str) or not share_id):
+            raise malformed(f"{where}.shareID is not a non-empty string")
+        results.append(AllocationResult(item["request"], item["pool"], item["device"], bool(admin_access),
+                                        share_id))
+    for index, entry in enumerate(_list(devices.get("config"), "status.allocation.devices.config", malformed)):
+        where = f"status.allocation.devices.config[{index}]"
+        entry = _object(entry, where, malformed)
+        if entry.get("opaque") is None:
+            continue
+        opaque = _object(entry["opaque"], f"{where}.opaque", malformed)
+        if not isinstance(opaque.get("driver"), str):
+            raise malformed(f"{where}.opaque.driver is not a string")
+        if opaque["driver"] != driver:
+            continue
+        requests = _list(entry.get("requests"), f"{where}.requests", malformed)
+        if not all(isinstance(request, str) for request in requests):
+            raise malformed(f"{where}.requests is not a list of strings")
+        applied = next((result for result in results if config_applies(requests, result.request)), None)
+        if applied is not None:
+            shown = ", ".join(requests) if requests else "all requests"
+            raise ClaimRefused(f"{label}: devplugd takes no claim parameters yet, but {where} is an opaque config "
+                               f"for {driver} (source {entry.get('source')}, {shown}) that applies to the "
+                               f"result of request {applied.request}")
     return results
 
 

@@ -11,17 +11,21 @@ Prepare, for each claim of a call:
    (as the Go helper does);
 3. under the lock: the claim must have the UID the kubelet named and be allocated; of its
    ``status.allocation.devices``, the results of other drivers are ignored, an opaque config for
-   ours is refused (devplugd takes no claim parameters yet), and every result of ours must name
-   a DRA pool of this node and a device in it that the one availability rule
-   (``daemon.holdings.refusal``) lets it have: Healthy, not under a host lease, not held by a
-   pod through the device-plugin API, not prepared for another claim (unless one of the two
-   allocations is admin access, which takes the device from no one), not held by a lost book;
-4. for each request and pool, one ``allocate_container`` for the claim's devices of that request
-   in that pool (so ``PCIDEVICE_*`` lists them all, as one Allocate for one container would;
-   netDevice pools write their device-info files), in a worker thread. Per request, because a
-   container gets the devices of its requests only: the claim the scheduler makes for a pod's
-   ``resources.limits`` (KEP-5004) has one request per container, and each container must see
-   its own VFs in ``PCIDEVICE_*``, never its neighbour's;
+   ours that applies to one of our results is refused (devplugd takes no claim parameters yet;
+   ``_claims.config_applies``), and every result of ours must name a DRA pool of this node and
+   a device in it that the one availability rule (``daemon.holdings.refusal``) lets it have
+   (``_choice.choose``): Healthy, not under a host lease, not held by a pod through the
+   device-plugin API, not prepared for another claim (unless one of the two allocations is
+   admin access, which takes the device from no one), not held by a lost book;
+4. for each request and pool, one ``allocate_container`` for the claim's devices of that
+   request in that pool (``_choice.allocate``; so ``PCIDEVICE_*`` lists them all, as one
+   Allocate for one container would; netDevice pools write their device-info files), in a worker
+   thread. Per request, because a container gets the devices of its requests only: the claim
+   the scheduler makes for a pod's ``resources.limits`` (KEP-5004) has one request per
+   container, and each container must see its own VFs in ``PCIDEVICE_*``, never its
+   neighbour's. The request is the main one a container names: the results of a prioritized
+   list's subrequest (``nic/fast``, KEP-4816) are the devices of ``nic``, and the kubelet is
+   answered ``nic``;
 5. the claim's CDI spec (``_claimspecs.py``);
 6. the checkpoint (``ClaimBook.add``), then the answer. If 5 or 6 fails, what was done is undone
    (spec removed, side files released) and the claim's answer is the error.
@@ -48,15 +52,14 @@ from typing import Any
 
 import trio
 
-from daemon.core import AllocationError, ContainerAllocation, ResourcePool
-from daemon.core._allocation import HandlerFailed
-from daemon.core._handler import Hooks, allocate_container
+from daemon.core import ContainerAllocation, ResourcePool
+from daemon.core._handler import Hooks
 from daemon.core._tree import DeviceTree
-from daemon.holdings import Holder, HolderLookup, claim_asks, refusal, road_refusal
+from daemon.holdings import Holder, HolderLookup
 from daemon.metrics import Metrics
 
+from ._choice import allocate, choose
 from ._claims import (
-    AllocationResult,
     ClaimBook,
     ClaimNotFound,
     ClaimRef,
@@ -66,7 +69,6 @@ from ._claims import (
     driver_results,
 )
 from ._claimspecs import Chosen, ClaimSpecs
-from ._names import device_name, pool_name
 
 log = logging.getLogger("devplugd.dra")
 
@@ -174,14 +176,15 @@ class ClaimPreparer:
             raise ClaimRefused(fetched)
         before_loss = await self._check_accounted(ref)
         results = driver_results(fetched, ref, self._driver)
-        chosen = self._choose(self._tree(), ref, results, before_loss)
+        chosen = choose(self._tree(), self._node, self._specs.kind, ref, results, before_loss,
+                        self._holders or self._book_holder)
         if not chosen:
             return PrepareResult()
         # held from the choice on, with no await between: a host lease granted while the
         # allocation runs in its thread must not get these devices
         self._claims.reserve(PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen)))
         try:
-            allocations = await self._allocate(ref, chosen)
+            allocations = await allocate(self._hooks, ref, chosen)
             claim = await self._record(ref, chosen, allocations)
         except Exception:
             self._claims.unreserve(ref.uid)
@@ -232,68 +235,9 @@ class ClaimPreparer:
         if self._unaccounted is not None and not self._unaccounted and self._claims.lost is not None:
             self._claims.book.clear_lost("devplugd: every claim prepared before the loss is unprepared")
 
-    def _choose(self, tree: DeviceTree, ref: ClaimRef, results: Sequence[AllocationResult],
-                before_loss: bool) -> list[Chosen]:
-        """Each device of the results (one per device: its requests merged), checked by the one
-        rule; ClaimRefused names the first that cannot be had."""
-        pools = {pool_name(self._node, resource): pool for resource, pool in tree.pools.items()}
-        names: dict[str, dict[str, str]] = {}  # pool name -> device name -> device ID
-        merged: dict[tuple[str, str], list[AllocationResult]] = {}
-        for result in results:
-            merged.setdefault((result.pool, result.device), []).append(result)
-        chosen: list[Chosen] = []
-        for (pool_label, name), device_results in merged.items():
-            pool = pools.get(pool_label)
-            if pool is None:
-                raise ClaimRefused(f"{ref.label}: pool {pool_label!r} is not a pool of this node ({self._node})")
-            admin_access = all(result.admin_access for result in device_results)
-            asker = claim_asks(ref.uid, admin_access=admin_access, prepared_before_loss=before_loss)
-            if road_refusal(pool, asker) is not None:
-                raise ClaimRefused(f"{ref.label}: pool {pool_label!r} ({pool.resource}) is not a DRA pool of this "
-                                   f"node (it is served through {pool.road})")
-            ids = names.get(pool_label)
-            if ids is None:
-                ids = names[pool_label] = {device_name(device_id): device_id for device_id in pool.devices}
-            device_id = ids.get(name)
-            if device_id is None:
-                raise ClaimRefused(f"{ref.label}: device {name!r} is not in pool {pool_label!r}")
-            if (why := refusal(pool, device_id, asker, self._holders or self._book_holder)) is not None:
-                raise ClaimRefused(f"{ref.label}: device {name!r} ({device_id} of {pool.resource}) {why.predicate}")
-            requests = tuple(dict.fromkeys(result.request.split("/", 1)[0] for result in device_results))
-            device = PreparedDevice(pool.resource, device_id, pool_label, name, requests, admin_access,
-                                    f"{self._specs.kind}={ref.uid}-{name}")
-            chosen.append(Chosen(pool, device))
-        return chosen
-
     def _book_holder(self, pool: ResourcePool, device_id: str) -> Holder | None:
         """Without the daemon's holdings (alone, in a test): the claim book's word."""
         return self._claims.holders().get((pool.resource, device_id))
-
-    async def _allocate(self, ref: ClaimRef,
-                        chosen: Sequence[Chosen]) -> list[tuple[list[Chosen], ContainerAllocation]]:
-        """One allocation per request and pool (with the devices it is for), in a worker thread;
-        ClaimRefused says what failed."""
-        by_request: dict[tuple[str, str], list[Chosen]] = {}
-        for item in chosen:
-            request = item.device.request_names[0] if item.device.request_names else ""
-            by_request.setdefault((item.pool.resource, request), []).append(item)
-        allocations: list[tuple[list[Chosen], ContainerAllocation]] = []
-        for (resource, _request), items in by_request.items():
-            pool = items[0].pool
-            hooks = self._hooks.get(pool.handler)
-            if hooks is None:
-                raise ClaimRefused(f"{ref.label}: {resource} has no handler {pool.handler!r}")
-            device_ids = [item.device.device_id for item in items]
-            try:
-                allocation = await trio.to_thread.run_sync(allocate_container, hooks, pool, device_ids)
-            except (AllocationError, OSError, HandlerFailed) as error:
-                raise ClaimRefused(f"{ref.label}: allocating {', '.join(device_ids)} of {resource} failed: "
-                                   f"{error}") from error
-            if allocation.annotations:
-                log.warning("%s: the annotations %s of %s have no place in a CDI spec; left out", ref.label,
-                            ", ".join(sorted(allocation.annotations)), resource, extra={"RESOURCE": resource})
-            allocations.append((items, allocation))
-        return allocations
 
     async def _rewrite_spec_if_missing(self, claim: PreparedClaim) -> None:
         if claim.cdi_spec is None or await trio.to_thread.run_sync(self.spec_path(claim.uid).exists):
