@@ -49,7 +49,7 @@ from daemon.loop import EventLoop
 from daemon.metrics import Metrics, MetricsServer, without_created_series
 from daemon.nfd import NfdFeatures
 from daemon.service import ServiceManager, StatusReporter
-from daemon.settings import Settings, dra_names_problem
+from daemon.settings import Settings, dra_names_problem, pod_uid_problem
 from daemon.sockets import socket_path_problem
 from daemon.sources.inotify import InotifySource
 from daemon.sources.links import LinkSource
@@ -87,8 +87,13 @@ def load(
 
 
 def run(settings: Settings) -> int:
-    # ``auto`` decided once: the handlers (reading udev's database or not) and the source agree
-    settings = dataclasses.replace(settings, uevent_source=resolve_uevent_source(settings.uevent_source))
+    # ``auto`` decided once: the handlers (reading udev's database or not) and the source agree;
+    # the pod's UID from the downward API ($POD_UID) unless --pod-uid says it
+    settings = dataclasses.replace(settings, uevent_source=resolve_uevent_source(settings.uevent_source),
+                                   pod_uid=settings.pod_uid or os.environ.get("POD_UID") or None)
+    if problem := pod_uid_problem(settings.pod_uid):
+        log.error("%s", problem)
+        return EXIT_BAD_CONFIG
     host_changes = HostChanges()
     try:
         handlers, config = load(settings, host_changes=host_changes)

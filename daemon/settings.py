@@ -6,6 +6,10 @@ and help (``option``); the CLI builds its parser and the Settings from these fie
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import os
+import posixpath
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,12 @@ REGISTRATION_MODES = ("auto", "kubelet", "watcher", "none")
 DEFAULT_DRA_DRIVER = "devplugd.io"
 KUBELET_KUBECONFIG = Path("/etc/kubernetes/kubelet.conf")
 DRA_SOCKET_NAME = "dra.sock"
+# The Go helper's rolling-update names (k8s.io/dynamic-resource-allocation/kubeletplugin,
+# RollingUpdateRegistrarSocketFile): its limit on the whole path, and how much of a SHA-256 digest
+# goes into the two shorter forms
+UNIX_PATH_MAX = 108
+UID_HASH_BYTES = 8
+DRIVER_UID_HASH_BYTES = 16
 
 
 def option(value: Any, flag: str, help: str, *, show_default: bool = True, **argparse: Any) -> Any:
@@ -85,6 +95,12 @@ class Settings:
         f"else {KUBELET_KUBECONFIG} when it exists, else the in-cluster service account)", show_default=False)
     dra_plugin_dir: Path = option(Path("/var/lib/kubelet/plugins"), "--dra-plugin-dir",
                                   "the kubelet's DRA plugin directory: our socket is DIR/<driver>/dra.sock")
+    # this instance's pod (the DaemonSet passes metadata.uid as $POD_UID): the DRA sockets carry it,
+    # so the old and the new pod of a rolling update are registered side by side
+    pod_uid: str | None = option(None, "--pod-uid", "the UID of the pod devplugd runs in (default: $POD_UID): "
+                                 "the DRA sockets are named after it, as the Go helper's RollingUpdate names "
+                                 "them, so two pods of a rolling update are registered side by side",
+                                 show_default=False, metavar="UID")
     # where Prometheus scrapes /metrics (host, port); None: no metrics server
     metrics_address: tuple[str, int] | None = option(
         None, "--metrics-address", "serve Prometheus metrics at http://HOST:PORT/metrics (default: no metrics "
@@ -96,11 +112,17 @@ class Settings:
 
     @property
     def dra_socket(self) -> Path:
-        """The DRA plugin's gRPC socket, which the registration's GetInfo names."""
-        return self.dra_plugin_dir / self.dra_driver / DRA_SOCKET_NAME
+        """The DRA plugin's gRPC socket, which the registration's GetInfo names: ``dra.sock``, or
+        ``dra-<pod UID>.sock`` with a pod UID, in ``<dra-plugin-dir>/<driver>/`` (the directory
+        both pods of a rolling update share, as the Go helper has it)."""
+        name = f"dra-{self.pod_uid}.sock" if self.pod_uid else DRA_SOCKET_NAME
+        return self.dra_plugin_dir / self.dra_driver / name
 
     @property
     def dra_registration_socket(self) -> Path:
+        if self.pod_uid:
+            return self.plugins_registry_dir / rolling_update_registration_socket_name(
+                self.plugins_registry_dir, self.dra_driver, self.pod_uid)
         return self.plugins_registry_dir / f"{self.dra_driver}-reg.sock"
 
     def effective_registration(self) -> str:
@@ -109,6 +131,37 @@ class Settings:
         if self.registration != "auto":
             return self.registration
         return "watcher" if self.plugins_registry_dir.is_dir() else "kubelet"
+
+
+def rolling_update_registration_socket_name(registry_dir: Path | str, driver: str, pod_uid: str) -> str:
+    """The registration socket's name with a pod UID, as the Go helper chooses it (commit 70301bb
+    and its review, June 2026): the first of ``<driver>-<pod UID>-reg.sock``,
+    ``<driver>-<base64url(sha256(pod UID))[:8 bytes]>-reg.sock`` and
+    ``dra-<base64url(sha256(driver NUL pod UID))[:16 bytes]>-reg.sock`` (unpadded URL-safe base64)
+    whose path in ``registry_dir`` is at most 108 bytes long, else the last."""
+    uid_hash = hashlib.sha256(pod_uid.encode()).digest()
+    driver_uid_hash = hashlib.sha256(f"{driver}\0{pod_uid}".encode()).digest()
+    candidates = (
+        f"{driver}-{pod_uid}-reg.sock",
+        f"{driver}-{_base64url(uid_hash[:UID_HASH_BYTES])}-reg.sock",
+        f"dra-{_base64url(driver_uid_hash[:DRIVER_UID_HASH_BYTES])}-reg.sock",
+    )
+    for name in candidates:
+        if len(os.fsencode(posixpath.normpath(posixpath.join(os.fspath(registry_dir), name)))) <= UNIX_PATH_MAX:
+            return name
+    return candidates[-1]
+
+
+def _base64url(data: bytes) -> str:
+    """Go's base64.RawURLEncoding: URL-safe, no padding."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def pod_uid_problem(pod_uid: str | None) -> str | None:
+    """Why ``pod_uid`` cannot be part of a socket's name (a ``/`` or a NUL in it), or ``None``."""
+    if pod_uid is not None and ("/" in pod_uid or "\0" in pod_uid):
+        return f"--pod-uid {pod_uid!r}: a pod UID is part of a socket's file name, and has no '/' or NUL"
+    return None
 
 
 def dra_names_problem(driver: str, node_name: str | None) -> str | None:

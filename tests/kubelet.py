@@ -26,6 +26,11 @@ The DRA manager's side (dra-api.md §1, §2.2, §3.2), through the same plugin w
   connects lazily: a plugin that registers before it serves fails here) and
   NotifyRegistrationStatus is called. A registration socket that is removed or re-created
   deregisters the plugin (its connection closed, its health cleared), as the kubelet does.
+* several instances of one driver (the old and the new pod of a rolling update, each with its
+  own registration socket and endpoint; the same endpoint twice is refused) are registered side
+  by side; a call goes to the most recently registered instance whose connection is up, else to
+  the most recent one (``GetPlugin``), and the driver stays registered while any instance is;
+  ``dra_instances`` lists them and ``DraDriverState.calls`` says which endpoint each call reached.
 * ``prepare`` / ``unprepare`` call NodePrepareResources / NodeUnprepareResources through the
   chosen version's stubs with a 45 s deadline and apply the kubelet's response rules
   (``DraCallError``: unknown claim UIDs, skipped claims, a claim's error).
@@ -166,6 +171,7 @@ class DraDriverState:
     health_messages: list[dict[tuple[str, str], DeviceHealthRecord]] = field(default_factory=list)
     health_streams: int = 0  # NodeWatchResources streams opened
     health_service: str = ""  # the DRAResourceHealth version of the last stream opened
+    calls: list[tuple[str, str]] = field(default_factory=list)  # (method, the endpoint it went to), in order
 
     def current_health(self, now: float | None = None) -> dict[tuple[str, str], tuple[str, str]]:
         """(pool, device) -> (health, message), with the timeout rule applied."""
@@ -318,6 +324,19 @@ class FakeKubelet:
         self.wait_for(lambda k: k.dra_state(driver).registered and k.dra_state(driver).registrations >= registrations,
                       timeout, f"DRA driver {driver} registered ({registrations} registrations)")
         return self.dra_state(driver)
+
+    def dra_instances(self, driver: str) -> list[tuple[str, str]]:
+        """The registered instances of ``driver`` as (registration socket, endpoint), oldest first."""
+        async def look() -> list[tuple[str, str]]:
+            return [(r.registration_socket, r.endpoint) for r in self._dra_registrations.values() if r.driver == driver]
+        result: list[tuple[str, str]] = self._call(look())
+        return result
+
+    def wait_for_dra_instances(self, driver: str, count: int, timeout: float = 10.0) -> list[tuple[str, str]]:
+        """Until exactly ``count`` instances of ``driver`` are registered; them, oldest first."""
+        self.wait_for(lambda k: sum(r.driver == driver for r in list(k._dra_registrations.values())) == count,
+                      timeout, f"{count} registered instances of DRA driver {driver}")
+        return self.dra_instances(driver)
 
     def prepare(
         self, claims: list[tuple[str, str, str]], driver: str | None = None,
@@ -517,11 +536,16 @@ class FakeKubelet:
         return drivers[0]
 
     def _dra_plugin(self, driver: str | None) -> DraRegistration:
-        """GetPlugin: the most recently registered instance of the driver."""
+        """GetPlugin: the most recently registered instance of the driver whose connection is up,
+        else the most recently registered one (the kubelet's heuristic: the newest is most likely
+        the new pod of a rolling update)."""
         name = driver if driver is not None else self._only_driver()
         instances = [r for r in self._dra_registrations.values() if r.driver == name]
         if not instances:
             raise DraCallError(f"DRA driver {name} is not registered")
+        for registration in reversed(instances):
+            if registration.channel.get_state() == grpc.ChannelConnectivity.READY:
+                return registration
         return instances[-1]
 
     def _choose_dra_service(self, versions: list[str]) -> tuple[str, str]:
@@ -618,6 +642,7 @@ class FakeKubelet:
         fail_on_claim_error: bool,
     ) -> dict[str, Any]:
         registration = self._dra_plugin(driver)
+        self.dra_state(registration.driver).calls.append((method, registration.endpoint))
         messages, stubs = DRA_SERVICES[registration.service]
         request = getattr(messages, f"{method}Request")(
             claims=[messages.Claim(namespace=namespace, uid=uid, name=name) for namespace, uid, name in claims])

@@ -4,12 +4,15 @@ kubelet stand-in's plugin watcher, and served again when the kubelet removes the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
 from pathlib import Path
 
 import pytest
+import trio
+import trio_asyncio
 
 from daemon._generated.deviceplugin.v1beta1 import api_pb2 as dp
 from daemon._generated.dra.v1 import api_pb2 as dra_v1
@@ -17,9 +20,11 @@ from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
 from daemon._generated.drahealth.v1 import api_pb2 as dra_health_v1
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
-from daemon.dra import SUPPORTED_VERSIONS
-from tests.drasockets import DRIVER, POOL, DraRig, dra_settings, get_info, serving_dra
-from tests.kubelet import DraCallError
+from daemon.core._notifier import Notifier
+from daemon.dra import SUPPORTED_VERSIONS, DraSockets, HealthServicer
+from daemon.settings import Settings, rolling_update_registration_socket_name
+from tests.drasockets import DRIVER, NODE, POOL, DraRig, RecordingPlugin, dra_settings, get_info, serving_dra
+from tests.kubelet import DraCallError, FakeKubelet
 from tests.waiting import wait_until_async
 
 CLAIMS = [("default", "uid-1", "claim-1"), ("default", "uid-2", "claim-2")]
@@ -249,3 +254,83 @@ async def test_run_reports_started_when_it_cannot_listen_and_serves_once_it_can(
         settings.dra_socket.unlink()
         await rig.kubelet_call(rig.kubelet.wait_for_dra, DRIVER, timeout=5.0)
         assert rig.sockets.serving and rig.run_ended == []
+
+
+# -- rolling updates: the pod's UID in the socket names ------------------------------------------
+UID_A = "11111111-2222-3333-4444-555555555555"
+UID_B = "ad4af911-5bcd-47c5-a554-f35cea869472"
+REGISTRY = Path("/var/lib/kubelet/plugins_registry")
+
+
+@pytest.mark.parametrize(("driver", "expected"), [
+    # the full UID when the path fits in 108 bytes
+    ("devplugd.io", f"devplugd.io-{UID_B}-reg.sock"),
+    # too long with it (114 bytes): 8 bytes of sha256(UID), unpadded URL-safe base64 (from openssl)
+    ("gpu.dra-example-driver.sigs.k8s.io", "gpu.dra-example-driver.sigs.k8s.io-Jk8-oymVURI-reg.sock"),
+    # too long even so: dra- and 16 bytes of sha256(driver NUL UID), the driver's name left out
+    ("a" * 100, "dra-0XAjsR3nLFWHa0HL1OOe6g-reg.sock"),
+])
+def test_a_pod_uid_names_the_registration_socket_as_the_go_helper_does(driver: str, expected: str) -> None:
+    assert rolling_update_registration_socket_name(REGISTRY, driver, UID_B) == expected
+    settings = Settings(plugins_registry_dir=REGISTRY, dra_driver=driver, pod_uid=UID_B)
+    assert settings.dra_registration_socket == REGISTRY / expected
+    assert len(str(settings.dra_registration_socket)) <= 108
+
+
+def test_the_full_uid_form_is_kept_up_to_108_bytes_and_left_one_byte_later() -> None:
+    name = f"devplugd.io-{UID_A}-reg.sock"
+    fits = Path("/" + "r" * (108 - len(name) - 2))
+    assert len(f"{fits}/{name}") == 108
+    assert rolling_update_registration_socket_name(fits, "devplugd.io", UID_A) == name
+    assert rolling_update_registration_socket_name(Path(f"{fits}r"), "devplugd.io", UID_A) != name
+
+
+def test_a_pod_uid_names_the_plugin_socket_in_the_shared_driver_directory_and_none_keeps_the_old_names(
+        short_tmp: Path) -> None:
+    with_uid = dataclasses.replace(dra_settings(short_tmp), pod_uid=UID_A)
+    assert with_uid.dra_socket == short_tmp / "plugins" / DRIVER / f"dra-{UID_A}.sock"
+    plain = dra_settings(short_tmp)
+    assert plain.dra_socket == short_tmp / "plugins" / DRIVER / "dra.sock"
+    assert plain.dra_registration_socket == short_tmp / "plugins_registry" / f"{DRIVER}-reg.sock"
+
+
+async def test_two_pods_of_a_rolling_update_are_registered_side_by_side_and_the_newest_gets_the_calls(
+        short_tmp: Path) -> None:
+    """The old pod (A) serving, the new one (B) started beside it: the kubelet stand-in registers
+    both, calls go to B; A stopping takes only its own sockets, and B stays registered."""
+    kubelet = FakeKubelet(short_tmp / "device-plugins", short_tmp / "plugins_registry")
+    kubelet.start()
+    try:
+        async with trio_asyncio.open_loop(), trio.open_nursery() as nursery:
+            notifier = Notifier()
+            instances: dict[str, tuple[Settings, RecordingPlugin, trio.CancelScope]] = {}
+            for uid in (UID_A, UID_B):
+                settings = dataclasses.replace(dra_settings(short_tmp), pod_uid=uid)
+                plugin = RecordingPlugin()
+                sockets = DraSockets(settings, plugin, HealthServicer(notifier, NODE))
+                scope = trio.CancelScope()
+
+                async def run(sockets: DraSockets = sockets, scope: trio.CancelScope = scope,
+                              task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                    with scope:
+                        await sockets.run(task_status=task_status)
+                await nursery.start(run)
+                instances[uid] = (settings, plugin, scope)
+                await trio.to_thread.run_sync(kubelet.wait_for_dra_instances, DRIVER, len(instances))
+            (a_settings, a_plugin, a_scope), (b_settings, b_plugin, _) = instances[UID_A], instances[UID_B]
+            registered = await trio.to_thread.run_sync(kubelet.dra_instances, DRIVER)
+            assert registered == [(str(s.dra_registration_socket), str(s.dra_socket)) for s in (a_settings, b_settings)]
+            await trio.to_thread.run_sync(kubelet.prepare, CLAIMS[:1])
+            assert len(b_plugin.prepared) == 1 and a_plugin.prepared == []
+            a_scope.cancel()  # the old pod stops
+            await trio.to_thread.run_sync(kubelet.wait_for_dra_instances, DRIVER, 1)
+            assert not a_settings.dra_socket.exists() and not a_settings.dra_registration_socket.exists()
+            assert stat.S_ISSOCK(os.lstat(b_settings.dra_socket).st_mode)
+            assert stat.S_ISSOCK(os.lstat(b_settings.dra_registration_socket).st_mode)
+            assert kubelet.dra_state(DRIVER).registered
+            await trio.to_thread.run_sync(kubelet.unprepare, CLAIMS[:1])
+            assert len(b_plugin.unprepared) == 1 and a_plugin.unprepared == []
+            assert [endpoint for _, endpoint in kubelet.dra_state(DRIVER).calls] == [str(b_settings.dra_socket)] * 2
+            nursery.cancel_scope.cancel()
+    finally:
+        kubelet.close()
