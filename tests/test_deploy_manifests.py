@@ -182,9 +182,21 @@ def test_metrics_listen_on_the_nodes_address_where_the_liveness_probe_asks() -> 
     assert fields["HOST_IP"] == "status.hostIP"
     assert fields.get("NODE_NAME") == "spec.nodeName"  # --node-name's default, for DRA's slices
     probe = container["livenessProbe"]["httpGet"]
-    ports = {port["name"]: port["containerPort"] for port in container["ports"]}
-    assert (probe["path"], ports.get(probe["port"], probe["port"])) == ("/healthz", 9464)
+    assert (probe["path"], probe["port"]) == ("/healthz", 9464)
     assert "host" not in probe  # the pod's IP, which is the node's under hostNetwork
+
+
+def test_a_rolling_update_starts_the_new_pod_before_the_old_one_goes_and_names_its_sockets_after_it() -> None:
+    """maxSurge 1, maxUnavailable 0: a plugin is registered throughout; the new pod can be
+    scheduled beside the old one (no hostPort, which hostNetwork makes of any declared port);
+    its UID reaches --pod-uid's default, so its DRA sockets are not the old pod's."""
+    strategy = _one("DaemonSet")["spec"]["updateStrategy"]
+    assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    container = _container()
+    assert "ports" not in container and not any("hostPort" in str(c) for c in _pod()["containers"])
+    fields = {env["name"]: env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for env in container["env"]}
+    assert fields.get("POD_UID") == "metadata.uid"
+    assert not any(arg.startswith("--pod-uid") for arg in container["args"])  # $POD_UID is the default
 
 
 def test_container_is_unprivileged() -> None:

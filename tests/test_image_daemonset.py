@@ -41,7 +41,8 @@ PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
 # gives the pod the node's own, which these are below.
 ULIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 NODE_NAME = "node-1"
-FIELD_VALUES = {"spec.nodeName": NODE_NAME, "status.hostIP": "127.0.0.1"}
+FIELD_VALUES = {"spec.nodeName": NODE_NAME, "status.hostIP": "127.0.0.1",
+                "metadata.uid": "0f3c2b1a-5d6e-4f70-8a9b-0c1d2e3f4a5b"}
 TUN, LOOP = "devplugd.io/tun", "devplugd.io/loop_control"
 
 
