@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from daemon.core import HEALTHY, UNHEALTHY, LinkChanged, LinkSnapshot, LinkState, Resync
+from daemon.core import CARRIER_LOST, HEALTHY, UNHEALTHY, Fault, LinkChanged, LinkSnapshot, LinkState, Resync
 from daemon.core._config import ConfigFileError
 from daemon.core._handler import Hooks
 from daemon.dra import slice_devices
@@ -248,6 +248,8 @@ def test_an_sf_is_unhealthy_while_its_link_is_up_without_carrier(aux_world: AuxP
     aux_world.fold([LinkChanged("en4f0s2", lost)])
     assert {n: i.health for n, i in aux_world.build(aux_world.facts, ALL)["all"].items() if n in B_SFS} == {
         "mlx5_core.sf.6": HEALTHY, "mlx5_core.sf.7": UNHEALTHY}
+    assert aux_world.build(aux_world.facts, ALL)["all"]["mlx5_core.sf.7"].fault == Fault(
+        CARRIER_LOST, "en4f0s2", "link en4f0s2 is up without carrier")
     aux_world.fold([LinkChanged("en4f0s2", back), LinkChanged("p0", lost)])  # the PF's link is not the SF's
     assert {i.health for i in aux_world.build(aux_world.facts, ALL)["all"].values()} == {HEALTHY}
     aux_world.fold([LinkSnapshot({"enp3s0f0s88": lost})])

@@ -386,6 +386,19 @@ def test_an_unknown_allocation_api_is_refused_with_its_path() -> None:
     assert "'devicePlugin' or 'dra'" in str(error) and "'DRA'" in str(error)
 
 
+def test_unhealthy_taint_defaults_to_no_schedule_and_takes_the_three_effects_and_omit() -> None:
+    config = parse(pools(pool("a", allocationApi="dra"), pool("b", allocationApi="dra", unhealthyTaint="NoExecute"),
+                         pool("c", allocationApi="dra", unhealthyTaint="None"), pool("d", unhealthyTaint="omit")))
+    assert [p.entry.unhealthy_taint for p in config.pools] == ["NoSchedule", "NoExecute", "None", "omit"]
+
+
+def test_a_mistyped_unhealthy_taint_is_refused_naming_the_key_and_the_choices() -> None:
+    error = parse_error(pools(pool("a", allocationApi="dra", unhealthyTaint="noschedule")))
+    assert error.json_path == "$.resourceList[0].unhealthyTaint"
+    assert "'NoSchedule', 'NoExecute', 'None', 'omit'" in str(error) and "'noschedule'" in str(error)
+    assert parse_error(pools(pool("a", unhealthyTaint=True))).json_path == "$.resourceList[0].unhealthyTaint"
+
+
 def test_dra_pools_whose_slice_pool_names_would_collide_are_refused() -> None:
     # intel.com/sriov_vfs and intel.com/sriov-vfs are both the pool <node>/intel.com/sriov-vfs
     error = parse_error(pools(pool("sriov_vfs", allocationApi="dra"), pool("sriov-vfs", allocationApi="dra")))

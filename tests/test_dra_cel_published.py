@@ -38,7 +38,7 @@ DRIVER = "devplugd.io"
 NODE = "node1"
 PF = "0000:3b:00.0"
 VFS = [f"0000:3b:02.{i}" for i in range(4)]
-TUNS = 130  # more than one slice of 128
+TUNS = 130  # more than one slice of 128, three of 64
 
 CONFIG = {"resourceList": [
     {"resourceName": "sriov_vfs", "allocationApi": "dra", "selectors": {"vendors": ["8086"], "drivers": ["iavf"]}},
@@ -128,7 +128,8 @@ async def test_each_class_selects_exactly_its_own_pools_published_devices(
     stored = [(s["spec"]["driver"], s["spec"]["pool"]["name"], device)
               for s in api.slices() for device in s["spec"].get("devices") or []]
     assert len({pool for driver, pool, _ in stored if driver == DRIVER}) == 3  # no device-plugin pool
-    assert len([s for s in api.slices(driver=DRIVER) if "tun" in s["spec"]["pool"]["name"]]) == 2
+    # a pool that may carry taints is cut in slices of 64 (the server's cap for a tainted slice)
+    assert len([s for s in api.slices(driver=DRIVER) if "tun" in s["spec"]["pool"]["name"]]) == -(-TUNS // 64)
     environment = celpy.Environment()
     classes = device_classes(config, DRIVER)
     assert len(classes) == 3

@@ -8,20 +8,21 @@ each pool, their generation and count, the requests that were made, the lines in
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from daemon.core import ResourcePool
+from daemon.core import CARRIER_LOST, UNHEALTHY, DeviceInfo, Fault, ResourcePool
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import _publisher
 from daemon.dra._kube import ApiLink, Kube
@@ -48,10 +49,13 @@ def ids(count: int, start: int = 0) -> list[str]:
     return [f"d{index:05d}" for index in range(start, start + count)]
 
 
-def pool(name: str, device_ids: Sequence[str], *, road: str = DRA_ROAD, **options: Any) -> ResourcePool:
+def pool(name: str, device_ids: Sequence[str], *, road: str = DRA_ROAD, unhealthy_taint: str = "omit",
+         **options: Any) -> ResourcePool:
     """``example.com/<name>``, served on ``road``; its devices plain (no handler describes them:
-    only the core attributes are published)."""
-    return trees.pool(f"{PREFIX}/{name}", device_ids, road=road, **options)
+    only the core attributes are published). Unless ``unhealthy_taint`` says otherwise its
+    Unhealthy devices are left out, so its slices hold 128 devices (a pool that may carry taints
+    holds 64: see the taint tests)."""
+    return trees.pool(f"{PREFIX}/{name}", device_ids, road=road, unhealthy_taint=unhealthy_taint, **options)
 
 
 def pool_name(name: str, node: str = NODE) -> str:
@@ -746,3 +750,140 @@ async def test_a_restart_adopts_slices_whose_devices_are_not_in_name_order(api: 
     async with publishing(kubeconfig) as running:  # the same devices, arranged as they were placed
         await running.settle(tree(pool("things", [*every[:10], *every[11:], "e-new"])))
         assert writes(api)[before:] == []
+
+
+# -- health as device taints ---------------------------------------------------------------------
+TAINTS = "DRADeviceTaints"
+
+
+@pytest.fixture
+def api_taints() -> Iterator[ApiServer]:
+    """A server that keeps device taints, as 1.36 and 1.37 do by default."""
+    with ApiServer(token=TOKEN, feature_gates={TAINTS}) as server:
+        server.add_node(NODE, uid=NODE_UID)
+        yield server
+    assert server.internal_errors == []
+
+
+def sick(device_ids: Sequence[str], faults: dict[str, Fault]) -> dict[str, DeviceInfo]:
+    """Plain records of ``device_ids``; those in ``faults`` Unhealthy with that fault."""
+    return {i: DeviceInfo(health=UNHEALTHY, fault=faults[i]) if i in faults else DeviceInfo() for i in device_ids}
+
+
+def taints_of(api: ApiServer, name: str) -> dict[str, list[dict[str, str]]]:
+    """The taints of pool ``name``'s devices on the server, by device (untainted ones left out)."""
+    return {d["name"]: d["taints"] for s in slices_of(api, name) for d in s["spec"]["devices"] if d.get("taints")}
+
+
+def taint_gauge(running: Running, cause: str, name: str = "things") -> float | None:
+    return running.metrics.registry.get_sample_value("devplugd_dra_device_taints",
+                                                     {"resource": f"{PREFIX}/{name}", "cause": cause})
+
+
+LOST = Fault(CARRIER_LOST, "ens1f0v3", "link ens1f0v3 is up without carrier")
+
+
+async def test_an_unhealthy_device_stays_in_its_slice_with_a_taint_naming_its_cause_until_healthy_again(
+    api_taints: ApiServer, tmp_path: Path
+) -> None:
+    api = api_taints
+    every = ids(300)
+    async with publishing(api.kubeconfig(tmp_path / "kubeconfig")) as running:
+        await running.settle(tree(pool("things", every, unhealthy_taint="NoSchedule")))
+        assert await wait_published(api, "things", every) == 1
+        first = slices_of(api, "things")
+        # a pool that may carry taints is cut in slices of 64: a taint never needs a new slice
+        assert [len(s["spec"]["devices"]) for s in first] == [64, 64, 64, 64, 44]
+        before = len(writes(api))
+        started = int(time.time())
+        await running.settle(tree(pool("things", sick(every, {"d00100": LOST}), unhealthy_taint="NoSchedule")))
+        (taint,) = taints_of(api, "things")["d00100"]
+        assert {k: v for k, v in taint.items() if k != "timeAdded"} == {
+            "key": f"{DRIVER}/carrier-lost", "value": "ens1f0v3", "effect": "NoSchedule"}
+        # when it came, in whole seconds (the API keeps no more)
+        assert started <= calendar.timegm(time.strptime(taint["timeAdded"], "%Y-%m-%dT%H:%M:%SZ")) <= time.time()
+        # the device's own slice alone, in place: the pool stays at its generation, complete
+        assert await wait_published(api, "things", every) == 1
+        assert [r.path for r in writes(api)[before:]] == [f"{SLICES_PATH}/{first[100 // 64]['metadata']['name']}"]
+        assert taint_gauge(running, "carrier-lost") == 1
+        # healthy again: the taint goes at once, in the same slice
+        before = len(writes(api))
+        await running.settle(tree(pool("things", every, unhealthy_taint="NoSchedule")))
+        assert taints_of(api, "things") == {} and await wait_published(api, "things", every) == 1
+        assert [r.path for r in writes(api)[before:]] == [f"{SLICES_PATH}/{first[1]['metadata']['name']}"]
+        assert taint_gauge(running, "carrier-lost") is None
+
+
+async def test_a_taint_keeps_its_time_added_while_it_stays_and_across_a_restart(
+    api_taints: ApiServer, tmp_path: Path
+) -> None:
+    api, kubeconfig = api_taints, api_taints.kubeconfig(tmp_path / "kubeconfig")
+    every = ids(10)
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", sick(every, {"d00001": LOST}), unhealthy_taint="NoExecute")))
+        (taint,) = taints_of(api, "things")["d00001"]
+        assert taint["effect"] == "NoExecute"
+        second = int(time.time())
+        await wait_until_async(lambda: int(time.time()) > second, 2, "the next second")
+        # the same device changes otherwise (a second NUMA node) while the same taint stays on it
+        records = sick(every, {"d00001": LOST})
+        records["d00001"] = replace(records["d00001"], numa_nodes=(1,))
+        await running.settle(tree(pool("things", records, unhealthy_taint="NoExecute")))
+        (device,) = [d for s in slices_of(api, "things") for d in s["spec"]["devices"] if d["name"] == "d00001"]
+        assert device["attributes"]["numaNode"] == {"int": 1} and device["taints"] == [taint]
+    versions = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, "things")}
+    before = len(writes(api))
+    async with publishing(kubeconfig) as running:  # a restart finds the same taint: adopted, time and all
+        await running.settle(tree(pool("things", records, unhealthy_taint="NoExecute")))
+        assert writes(api)[before:] == []
+        assert taint_gauge(running, "carrier-lost") == 1
+    assert {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in slices_of(api, "things")} == versions
+
+
+async def test_the_taint_names_vanished_and_unnamed_causes_and_held_devices_stay_out(
+    api_taints: ApiServer, tmp_path: Path
+) -> None:
+    api = api_taints
+    records = sick(ids(6), {"d00002": LOST})
+    records["d00000"] = DeviceInfo(health=UNHEALTHY)  # a handler that does not say why
+    async with publishing(api.kubeconfig(tmp_path / "kubeconfig")) as running:
+        offered = pool("things", records, unhealthy_taint="None", vanished=["d00002"],  # vanished while claimed
+                       claimed=["d00002", "d00003"], leased=["d00004"], unhealthy=["d00004", "d00005"])
+        await running.settle(tree(offered))
+        taints = taints_of(api, "things")
+        assert {name: [(t["key"], t.get("value"), t["effect"]) for t in found] for name, found in taints.items()} == {
+            "d00000": [(f"{DRIVER}/unhealthy", None, "None")],
+            "d00002": [(f"{DRIVER}/vanished", None, "None")],
+            "d00005": [(f"{DRIVER}/unhealthy", None, "None")],
+        }
+        # the leased device stays out, Unhealthy or not; the claimed one is published as before
+        assert sorted(d["name"] for s in slices_of(api, "things") for d in s["spec"]["devices"]) == [
+            "d00000", "d00001", "d00002", "d00003", "d00005"]
+        assert (taint_gauge(running, "unhealthy"), taint_gauge(running, "vanished")) == (2, 1)
+
+
+async def test_omit_leaves_an_unhealthy_device_out_in_slices_of_128(api_taints: ApiServer, tmp_path: Path) -> None:
+    api = api_taints
+    async with publishing(api.kubeconfig(tmp_path / "kubeconfig")) as running:
+        await running.settle(tree(pool("things", sick(ids(200), {"d00007": LOST}), unhealthy_taint="omit")))
+        assert await wait_published(api, "things", [i for i in ids(200) if i != "d00007"]) == 1
+        assert [len(s["spec"]["devices"]) for s in slices_of(api, "things")] == [128, 71]
+        assert taints_of(api, "things") == {}
+
+
+async def test_a_server_that_drops_taints_gets_the_unhealthy_device_left_out_and_one_error_line(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    every = ids(100)
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", every, unhealthy_taint="NoSchedule")))
+        await running.settle(tree(pool("things", sick(every, {"d00042": LOST}), unhealthy_taint="NoSchedule")))
+        # the taint would be lost and the device schedulable: it leaves the slices instead
+        assert await wait_published(api, "things", [i for i in every if i != "d00042"]) == 1
+        await running.settle(tree(pool("things", sick(every, {"d00042": LOST, "d00043": LOST}),
+                                      unhealthy_taint="NoSchedule")))
+        assert await wait_published(api, "things", [i for i in every if i not in ("d00042", "d00043")]) == 1
+        await running.settle(tree(pool("things", every, unhealthy_taint="NoSchedule")))
+        assert await wait_published(api, "things", every) == 1
+    (line,) = logged(caplog, "dropped the device taints", logging.ERROR)
+    assert pool_name("things") in line and "DRADeviceTaints" in line

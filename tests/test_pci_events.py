@@ -17,7 +17,17 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.core import HEALTHY, UNHEALTHY, HandlerContext, LinkChanged, LinkSnapshot, LinkState, UEvent
+from daemon.core import (
+    CARRIER_LOST,
+    HEALTHY,
+    UNHEALTHY,
+    Fault,
+    HandlerContext,
+    LinkChanged,
+    LinkSnapshot,
+    LinkState,
+    UEvent,
+)
 from daemon.core._config import DaemonConfig, parse_config
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
@@ -197,9 +207,12 @@ def test_vf_loses_health_with_its_pf_carrier_and_gets_it_back(short_tmp):
     world.fold(LinkSnapshot({"ensa": LinkState(5, True, True)}))
     assert world.pools(world.facts)["intel.com/vfio"][vf].health == HEALTHY
     world.fold(LinkChanged("ensa", LinkState(5, True, False)))
-    assert world.pools(world.facts)["intel.com/vfio"][vf].health == UNHEALTHY
+    sick = world.pools(world.facts)["intel.com/vfio"][vf]
+    # the cause travels with the health: a DRA slice's taint is named after it
+    assert (sick.health, sick.fault) == (UNHEALTHY, Fault(CARRIER_LOST, "ensa", "link ensa is up without carrier"))
     world.fold(LinkChanged("ensa", LinkState(5, True, True)))
-    assert world.pools(world.facts)["intel.com/vfio"][vf].health == HEALTHY
+    well = world.pools(world.facts)["intel.com/vfio"][vf]
+    assert (well.health, well.fault) == (HEALTHY, None)
 
 
 def test_admin_down_vf_netdev_is_not_unhealthy(short_tmp):
@@ -209,7 +222,8 @@ def test_admin_down_vf_netdev_is_not_unhealthy(short_tmp):
     world.fold(LinkSnapshot({"ensa": LinkState(5, True, True), "av0": LinkState(6, False, False)}))
     assert world.pools(world.facts)["intel.com/kernel_a"][vf].health == HEALTHY
     world.fold(LinkChanged("av0", LinkState(6, True, False)))
-    assert world.pools(world.facts)["intel.com/kernel_a"][vf].health == UNHEALTHY
+    sick = world.pools(world.facts)["intel.com/kernel_a"][vf]
+    assert (sick.health, sick.fault) == (UNHEALTHY, Fault(CARRIER_LOST, "av0", "link av0 is up without carrier"))
 
 
 def test_uevent_for_a_vanished_device_drops_it_and_a_garbage_path_changes_nothing(short_tmp):

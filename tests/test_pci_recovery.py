@@ -15,7 +15,19 @@ from typing import Any, ClassVar
 import pytest
 import trio
 
-from daemon.core import HEALTH_LOST, HEALTH_RESTORED, HEALTHY, UNHEALTHY, DeviceInfo, Event, PoolEntry, Resync, UEvent
+from daemon.core import (
+    HEALTH_LOST,
+    HEALTH_RESTORED,
+    HEALTHY,
+    PCIE_ERROR,
+    UNHEALTHY,
+    DeviceInfo,
+    Event,
+    Fault,
+    PoolEntry,
+    Resync,
+    UEvent,
+)
 from daemon.core._config import parse_config
 from daemon.core._notifier import Notifier, TreeStream
 from daemon.core._tree import DeviceTree
@@ -56,8 +68,12 @@ def pci_event(host: FakeHost, action: str, address: str, **properties: str) -> U
 
 
 def healths(pci: Pci, facts: Any) -> dict[str, str]:
+    return {address: info.health for address, info in records(pci, facts).items()}
+
+
+def records(pci: Pci, facts: Any) -> dict[str, DeviceInfo]:
     built = pci.handler.build(facts, pci.configure(*CONFIG))
-    return {address: info.health for devices in built.values() for address, info in devices.items()}
+    return {address: info for devices in built.values() for address, info in devices.items()}
 
 
 @pytest.fixture
@@ -92,6 +108,7 @@ def test_a_device_in_recovery_is_unhealthy_and_healthy_again_after_success(world
     for address in (PF, *VFS):
         facts = world.handler.fold(facts, error_event(host, address, "BEGIN_RECOVERY"))
     assert healths(world, facts) == {PF: UNHEALTHY, VFS[0]: UNHEALTHY, VFS[1]: UNHEALTHY, OTHER: HEALTHY}
+    assert records(world, facts)[VFS[0]].fault == Fault(PCIE_ERROR, "recovering", "it is in PCIe error recovery")
     for address in (PF, *VFS):
         facts = world.handler.fold(facts, error_event(host, address, "SUCCESSFUL_RECOVERY", "1"))
     assert set(healths(world, facts).values()) == {HEALTHY}
@@ -106,6 +123,7 @@ def test_failed_recovery_stays_unhealthy_until_a_bind_and_a_remove_takes_it_away
     facts = world.handler.fold(facts, pci_event(host, "unbind", VFS[0]))  # an unbind is no re-probe
     facts = world.handler.fold(facts, Resync("pci", "test"))  # recovery states survive a rescan
     assert healths(world, facts)[VFS[0]] == UNHEALTHY
+    assert records(world, facts)[VFS[0]].fault == Fault(PCIE_ERROR, "failed", "its PCIe error recovery failed")
     assert dict(facts.recovery) == {VFS[0]: "failed", VFS[1]: "failed"}
     facts = world.handler.fold(facts, pci_event(host, "bind", VFS[0], DRIVER="vfio-pci"))
     assert healths(world, facts)[VFS[0]] == HEALTHY and dict(facts.recovery) == {VFS[1]: "failed"}

@@ -29,13 +29,16 @@ _versions = itertools.count(1)
 
 
 def configured(resource: str, *, handler: str = TEST_HANDLER, api: str = DEVICE_PLUGIN_API,
-               spec: object = None) -> ConfiguredPool[Any]:
+               spec: object = None, unhealthy_taint: str | None = None) -> ConfiguredPool[Any]:
     """``resource`` (``<prefix>/<name>``) as the config parser makes its entry: no selectors,
-    served through ``api``, with ``handler``'s parsed spec ``spec``. A new object each call (the
-    daemon tells a reloaded pool by its config's identity)."""
+    served through ``api`` (with ``unhealthyTaint`` when given), with ``handler``'s parsed spec
+    ``spec``. A new object each call (the daemon tells a reloaded pool by its config's identity)."""
     prefix, name = resource.split("/", 1)
-    document = {"resourceList": [{"resourceName": name, "deviceType": TEST_DEVICE_TYPE, "allocationApi": api,
-                                  "selectors": {}}]}
+    entry: dict[str, Any] = {"resourceName": name, "deviceType": TEST_DEVICE_TYPE, "allocationApi": api,
+                             "selectors": {}}
+    if unhealthy_taint is not None:
+        entry["unhealthyTaint"] = unhealthy_taint
+    document = {"resourceList": [entry]}
     parsers = {TEST_DEVICE_TYPE: (handler, lambda entry: spec)}
     (only,) = parse_config(json.dumps(document), "test", prefix, parsers).pools
     return only
@@ -44,9 +47,11 @@ def configured(resource: str, *, handler: str = TEST_HANDLER, api: str = DEVICE_
 def pool(resource: str | ConfiguredPool[Any], devices: Mapping[str, DeviceInfo] | Iterable[str] = (), *,
          unhealthy: Collection[str] = (), road: str | None = None, api: str | None = None,
          handler: str = TEST_HANDLER, leased: Iterable[str] = (), vanished: Iterable[str] = (),
-         claimed: Iterable[str] = (), kubelet_held: Iterable[str] = (), lost_book: str = "") -> ResourcePool:
+         claimed: Iterable[str] = (), kubelet_held: Iterable[str] = (), lost_book: str = "",
+         unhealthy_taint: str | None = None) -> ResourcePool:
     """A pool as the tree holds it. ``resource`` is a name (its config is made, served through
-    ``api``: DRA when ``road`` is DRA's, else the device-plugin API) or a handler's own
+    ``api``: DRA when ``road`` is DRA's, else the device-plugin API; ``unhealthy_taint`` its
+    ``unhealthyTaint``) or a handler's own
     ``ConfiguredPool`` (its resource and handler are the pool's, its road DRA's when it says so).
     ``devices`` are records by ID, or IDs (plain healthy devices); ``unhealthy`` IDs among them
     are Unhealthy. The rest are the pool's holds, as in ResourcePool."""
@@ -56,7 +61,8 @@ def pool(resource: str | ConfiguredPool[Any], devices: Mapping[str, DeviceInfo] 
             road = DRA_ROAD if config.entry.allocation_api == DRA_API else DEVICE_PLUGIN_ROAD
     else:
         road = road or DEVICE_PLUGIN_ROAD
-        config = configured(resource, handler=handler, api=api or (DRA_API if road == DRA_ROAD else DEVICE_PLUGIN_API))
+        config = configured(resource, handler=handler, api=api or (DRA_API if road == DRA_ROAD else DEVICE_PLUGIN_API),
+                            unhealthy_taint=unhealthy_taint)
     records = dict(devices) if isinstance(devices, Mapping) else {device_id: DeviceInfo() for device_id in devices}
     for device_id in unhealthy:
         records[device_id] = replace(records[device_id], health=UNHEALTHY)

@@ -42,17 +42,33 @@ from ._handler import (
 from ._jsonpath import ConfigError, ConfigObject
 from ._names import device_list_env_name
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
-from ._tree import HEALTHY, UNHEALTHY, DeviceInfo, DeviceSpec, Mount, ResourcePool
+from ._tree import (
+    CARRIER_LOST,
+    HEALTHY,
+    PCIE_ERROR,
+    UNHEALTHY,
+    UNNAMED_FAULT,
+    VANISHED_FAULT,
+    DeviceInfo,
+    DeviceSpec,
+    Fault,
+    Mount,
+    ResourcePool,
+)
 from ._udev import device_properties, read_uevent_file, set_by_udev
 
 __all__ = [
+    "CARRIER_LOST",
     "HEALTHY",
     "HEALTH_LOST",
     "HEALTH_RESTORED",
     "LEFT_OUT",
+    "PCIE_ERROR",
     "REFUSED",
     "TOOK",
     "UNHEALTHY",
+    "UNNAMED_FAULT",
+    "VANISHED_FAULT",
     "AllocationError",
     "Allocator",
     "AttributeValue",
@@ -69,6 +85,7 @@ __all__ = [
     "Event",
     "Explainer",
     "Explanation",
+    "Fault",
     "Handler",
     "HandlerContext",
     "LinkChanged",

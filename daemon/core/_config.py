@@ -25,6 +25,11 @@ DEFAULT_DEVICE_TYPE = "netDevice"
 DEVICE_PLUGIN_API = "devicePlugin"
 DRA_API = "dra"
 ALLOCATION_APIS = (DEVICE_PLUGIN_API, DRA_API)
+# unhealthyTaint: what a DRA pool's Unhealthy device is in its ResourceSlice: published with a
+# taint of one of the API's effects, or left out (OMIT_UNHEALTHY)
+NO_SCHEDULE, NO_EXECUTE, INFORM_ONLY = "NoSchedule", "NoExecute", "None"
+OMIT_UNHEALTHY = "omit"
+UNHEALTHY_TAINTS = (NO_SCHEDULE, NO_EXECUTE, INFORM_ONLY, OMIT_UNHEALTHY)
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class PoolEntry:
     raw: ConfigObject
     # which road its devices take: the kubelet's device-plugin API, or DRA ResourceSlices
     allocation_api: str = DEVICE_PLUGIN_API
+    # through DRA: the effect of an Unhealthy device's taint, or OMIT_UNHEALTHY
+    unhealthy_taint: str = NO_SCHEDULE
 
     @cached_property
     def resource(self) -> str:
@@ -191,6 +198,10 @@ def _parse_entry(
     if allocation_api not in ALLOCATION_APIS:
         raise ConfigError(pool.path_of("allocationApi"),
                           f"must be {' or '.join(repr(a) for a in ALLOCATION_APIS)}, not {allocation_api!r}")
+    unhealthy_taint = pool.get("unhealthyTaint", str, NO_SCHEDULE)
+    if unhealthy_taint not in UNHEALTHY_TAINTS:
+        raise ConfigError(pool.path_of("unhealthyTaint"),
+                          f"must be {', '.join(repr(t) for t in UNHEALTHY_TAINTS)}, not {unhealthy_taint!r}")
 
     if not pool.has("selectors") or pool.raw("selectors") is None:
         raise ConfigError(pool.path_of("selectors"), "is required (an object or a list of objects)")
@@ -222,6 +233,7 @@ def _parse_entry(
         selectors=selectors,
         raw=pool,
         allocation_api=allocation_api,
+        unhealthy_taint=unhealthy_taint,
     )
 
 

@@ -51,6 +51,16 @@ def dns_subdomain_problem(name: str, max_length: int = 253) -> str | None:
     return None
 
 
+def label_value_problem(value: str) -> str | None:
+    """Why ``value`` is not a label value (a taint's value): at most 63 letters, digits, '-',
+    '_' or '.', starting and ending with a letter or digit; empty is one."""
+    if len(value) > 63:
+        return "must be at most 63 characters"
+    if value and not _NAME_PART.fullmatch(value):
+        return "must be letters, digits, '-', '_' or '.', starting and ending with a letter or digit"
+    return None
+
+
 def dra_pool_part(resource: str) -> str:
     """A resource name made valid inside a ResourceSlice pool name (``<node>/<this>``): lower
     case, ``_`` as ``-`` (``intel.com/sriov_vfs`` -> ``intel.com/sriov-vfs``). A resource name

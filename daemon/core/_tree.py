@@ -26,6 +26,24 @@ WITHHELD_ROAD = "withheld"  # moved back to the device-plugin API; its slices ar
 _EMPTY_MAP: Mapping[str, str] = MappingProxyType({})
 
 
+# Why a device is Unhealthy (Fault.cause): the names its DRA taint keys carry (<driver>/<cause>)
+CARRIER_LOST = "carrier-lost"  # a watched link is up without carrier
+PCIE_ERROR = "pcie-error"  # in PCIe error recovery, or it failed
+VANISHED_FAULT = "vanished"  # gone from the host while something held it
+UNNAMED_FAULT = "unhealthy"  # Unhealthy for a reason its handler did not name
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Why a device is Unhealthy: ``cause`` (one of the names above), ``detail`` a word that
+    says where without parsing (the link's name, ``recovering`` or ``failed``; ``""``: none),
+    and ``reason`` the sentence a person reads (``link ens1f0v2 is up without carrier``)."""
+
+    cause: str
+    detail: str = ""
+    reason: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """A device node to expose in the container (cgroup permissions: any of r, w, m)."""
@@ -52,9 +70,11 @@ class DeviceInfo:
     merges for the devices of a request. ``numa_nodes`` is empty when no topology is advertised.
     ``details`` is the handler's own record of the device (for its Allocator); the core never
     looks inside it, but it takes part in equality so a changed device is seen as changed.
+    ``fault`` says why an Unhealthy device is (``None``: Healthy, or a handler that does not say).
     """
 
     health: str = HEALTHY
+    fault: Fault | None = None
     numa_nodes: tuple[int, ...] = ()
     specs: tuple[DeviceSpec, ...] = ()
     mounts: tuple[Mount, ...] = ()

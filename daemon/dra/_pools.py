@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
 
 from daemon.core import ResourcePool
-from daemon.core._config import DRA_API
+from daemon.core._config import DRA_API, OMIT_UNHEALTHY
 from daemon.core._handler import Hooks
 from daemon.core._tree import DRA_ROAD, DeviceTree
 
 from ._names import pool_name
 from ._publisher import SlicePublisher, WantedPool
-from ._slices import slice_devices
+from ._slices import MAX_DEVICES_PER_SLICE, MAX_TAINTED_DEVICES_PER_SLICE, Memo, slice_devices
 from ._view import JsonObject
 
 log = logging.getLogger("devplugd.dra")
@@ -39,7 +38,7 @@ class DraPools:
         self._on_withheld = on_withheld
         self._tree = DeviceTree.empty()
         # resource -> (the pool as last offered, its WantedPool, the memo of slice_devices for it)
-        self._pools: dict[str, tuple[ResourcePool, WantedPool, dict[str, Any]]] = {}
+        self._pools: dict[str, tuple[ResourcePool, WantedPool, Memo]] = {}
         self._seen_problems: set[str] = set()  # what slice_devices logged already: once in all
         self._on_server: frozenset[str] = frozenset()  # pool names with slices on the server
         self._told: frozenset[str] = frozenset()  # the pools with slices, as last told
@@ -47,7 +46,7 @@ class DraPools:
     def offer(self, tree: DeviceTree) -> None:
         self._tree = tree
         wanted: dict[str, WantedPool] = {}
-        kept: dict[str, tuple[ResourcePool, WantedPool, dict[str, Any]]] = {}
+        kept: dict[str, tuple[ResourcePool, WantedPool, Memo]] = {}
         for resource, pool in tree.pools.items():
             if pool.road != DRA_ROAD:
                 continue
@@ -58,13 +57,17 @@ class DraPools:
                 # a reload may change what the describer says: a new pool config, a new memo
                 memo = cached[2] if cached is not None and cached[0].pool_config is pool.pool_config else {}
                 hooks = self._hooks.get(pool.handler)
+                effect: str | None = pool.pool_config.entry.unhealthy_taint
+                if effect == OMIT_UNHEALTHY:
+                    effect = None
                 devices: list[JsonObject] = slice_devices(
                     pool, self._driver, hooks.describer if hooks is not None else None,
-                    seen=self._seen_problems, memo=memo)
+                    taint_effect=effect, seen=self._seen_problems, memo=memo)
                 if cached is not None and cached[1].devices == devices:
                     pool_wanted = cached[1]  # the same devices: the same wanted pool, written or not
                 else:
-                    pool_wanted = WantedPool(resource, devices, tree.arrival)
+                    pool_wanted = WantedPool(resource, devices, tree.arrival, MAX_DEVICES_PER_SLICE if effect is None
+                                             else MAX_TAINTED_DEVICES_PER_SLICE)
             kept[resource] = (pool, pool_wanted, memo)
             wanted[pool_name(self._node, resource)] = pool_wanted
         self._pools = kept

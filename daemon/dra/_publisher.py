@@ -21,6 +21,7 @@ daemon does not wait for any of it. At SIGTERM the slices stay: a restart adopts
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,8 @@ from daemon.settings import Settings
 from daemon.supervise import Backoff
 
 from ._kube import ApiLink, Conflict, Invalid, Kube, KubeError, NotFound
-from ._slices import slice_bodies, slice_body, slice_updates
+from ._slices import MAX_DEVICES_PER_SLICE, slice_bodies, slice_body, slice_updates
+from ._taints import TaintTimes, dropped_taints
 from ._view import Complaints, JsonObject, SliceView, slice_index
 
 log = logging.getLogger("devplugd.dra")
@@ -46,12 +48,15 @@ PARALLEL_WRITES = 8  # slice writes of one pool in flight at once
 
 @dataclass(frozen=True)
 class WantedPool:
-    """What one pool should publish: its resource, its devices (``devices[]`` entries) and when
-    the oldest event that changed them reached the event loop (``None``: none did)."""
+    """What one pool should publish: its resource, its devices (``devices[]`` entries), when
+    the oldest event that changed them reached the event loop (``None``: none did), and how many
+    devices a slice of it holds (64 for a pool that may carry taints: the server's cap for a
+    slice with any taint, so a taint never needs a new slice)."""
 
     resource: str
     devices: list[JsonObject]
     arrival: float | None = None
+    max_devices: int = MAX_DEVICES_PER_SLICE
 
 
 class _Written:
@@ -103,6 +108,9 @@ class SlicePublisher:
         self._answered: dict[str, WantedPool] = {}  # pool name -> the wanted pool last written (reaction time)
         self._complaints = Complaints(RETRY_MAX)  # shared by the tasks: an outage is one error line
         self._writers = trio.CapacityLimiter(PARALLEL_WRITES)
+        self._taint_times = TaintTimes()
+        self._no_taints: set[str] = set()  # pools whose taints the server dropped: unhealthy devices left out
+        self._taint_causes: dict[str, set[str]] = {}  # resource -> the causes its taint gauge has
 
     def update(self, wanted: Mapping[str, WantedPool], elsewhere: frozenset[str] = frozenset()) -> None:
         """What every pool (by pool name) should publish from now on; a pool left out has its
@@ -183,12 +191,18 @@ class SlicePublisher:
             del self._rejected[gone]
         for pool, pool_wanted in wanted.items():
             devices = pool_wanted.devices
-            if self._up_to_date(pool, devices) or self._rejected.get(pool) == devices:
+            if pool in self._no_taints:
+                devices = [device for device in devices if "taints" not in device]
+            devices, causes = self._taint_times.stamp(pool, devices, functools.partial(self._server_devices, pool))
+            if self._up_to_date(pool, devices, pool_wanted.max_devices) or self._rejected.get(pool) == devices:
+                self._count_taints(pool_wanted.resource, causes)
                 continue
             self._rejected.pop(pool, None)
-            if await self._write_pool(kube, pool, devices) and pool_wanted.arrival is not None and (
-                    self._answered.get(pool) is not pool_wanted):  # a rewrite of the same answers no event
-                self._answered[pool] = pool_wanted
+            if not await self._write_pool(kube, pool, devices, pool_wanted.max_devices):
+                continue
+            self._count_taints(pool_wanted.resource, causes)
+            if pool_wanted.arrival is not None and self._answered.get(pool) is not pool_wanted:
+                self._answered[pool] = pool_wanted  # a rewrite of the same answers no event
                 self._metrics.dra_reaction.labels(pool_wanted.resource).observe(
                     time.monotonic() - pool_wanted.arrival)
         self._metrics.dra_pools_refused.set(len(self._rejected))
@@ -199,6 +213,26 @@ class SlicePublisher:
             await self._delete_slices(kube, self._view.slices_of(pool))
             self._written.pop(pool, None)
             self._answered.pop(pool, None)
+            self._taint_times.forget(pool)
+        for resource in self._taint_causes.keys() - {w.resource for w in wanted.values()}:
+            self._count_taints(resource, {})
+
+    def _server_devices(self, pool: str) -> dict[str, JsonObject]:
+        """The pool's devices on the server, by name."""
+        return {device["name"]: device for item in self._view.slices_of(pool)
+                for device in item["spec"].get("devices") or []}
+
+    def _count_taints(self, resource: str, causes: Mapping[str, int]) -> None:
+        """Set the pool's taint gauge: devices published with a taint, by cause."""
+        gauge = self._metrics.dra_device_taints
+        for cause, count in causes.items():
+            gauge.labels(resource, cause).set(count)
+        for cause in self._taint_causes.get(resource, set()) - causes.keys():
+            gauge.remove(resource, cause)
+        if causes:
+            self._taint_causes[resource] = set(causes)
+        else:
+            self._taint_causes.pop(resource, None)
 
     async def _read_node_uid(self, kube: Kube) -> None:
         """Read the Node's uid again: a node deleted and registered again has a new one, and the
@@ -211,7 +245,7 @@ class SlicePublisher:
                      self._node, uid, self._node_uid, extra={"EVENT": "dra"})
             self._node_uid = uid
 
-    def _up_to_date(self, pool: str, devices: list[JsonObject]) -> bool:
+    def _up_to_date(self, pool: str, devices: list[JsonObject], max_devices: int) -> bool:
         """Whether the server's slices of ``pool`` publish ``devices``: they are as we left
         them, or (after a restart, or someone else's write) they are ours, complete at one
         generation, and hold exactly these device entries, in whichever slices: adopted as ours."""
@@ -220,7 +254,7 @@ class SlicePublisher:
         written = self._written.get(pool)
         if written is not None and written.versions == versions:
             return written.devices == devices  # the same objects, where unchanged: fast
-        if not self._ours(pool, on_server) or slice_updates(on_server, devices) != {}:
+        if not self._ours(pool, on_server) or slice_updates(on_server, devices, max_devices) != {}:
             return False
         self._written[pool] = _Written(devices, on_server[0]["spec"]["pool"]["generation"], versions,
                                        {s["metadata"]["name"]: s["spec"].get("devices") or [] for s in on_server})
@@ -235,11 +269,12 @@ class SlicePublisher:
                    == {key: expected[1][key] for key in ("driver", "nodeName")}
                    and item["spec"]["pool"].get("name") == pool for item in slices)
 
-    def _bodies(self, pool: str, generation: int, devices: Sequence[Mapping[str, Any]]) -> list[JsonObject]:
+    def _bodies(self, pool: str, generation: int, devices: Sequence[Mapping[str, Any]],
+                max_devices: int = MAX_DEVICES_PER_SLICE) -> list[JsonObject]:
         return slice_bodies(driver=self._driver, node_name=self._node, node_uid=self._node_uid,
-                            pool_name=pool, generation=generation, devices=devices)
+                            pool_name=pool, generation=generation, devices=devices, max_devices=max_devices)
 
-    async def _write_pool(self, kube: Kube, pool: str, devices: list[JsonObject]) -> bool:
+    async def _write_pool(self, kube: Kube, pool: str, devices: list[JsonObject], max_devices: int) -> bool:
         """Publish ``devices`` as the pool's slices; whether the server took them. In place when
         the change fits the slices there are (``slice_updates``: only the slices that change are
         written, at the generation they have, so the pool stays complete and allocatable
@@ -248,7 +283,7 @@ class SlicePublisher:
         existing = self._view.slices_of(pool)
         written = self._written.get(pool)
         held = written.slices if written is not None and written.versions == _versions(existing) else None
-        updates = slice_updates(existing, devices, held=held) if self._ours(pool, existing) else None
+        updates = slice_updates(existing, devices, max_devices, held) if self._ours(pool, existing) else None
         writes: list[tuple[JsonObject, JsonObject | None]]
         if updates is not None:
             generation = int(existing[0]["spec"]["pool"]["generation"])
@@ -262,7 +297,7 @@ class SlicePublisher:
             generations = [int(s["spec"]["pool"].get("generation", 0)) for s in existing]
             last = self._written.get(pool)
             generation = max([*generations, last.generation if last is not None else 0]) + 1
-            bodies = self._bodies(pool, generation, devices)
+            bodies = self._bodies(pool, generation, devices, max_devices)
             count = len(bodies)
             # Each body goes into the slice whose name has its index (so the names keep sorting
             # in slice order, which is the allocator's order); any other slice is obsolete.
@@ -276,7 +311,7 @@ class SlicePublisher:
                     placed[index] = item
             writes = [(body, placed.get(index)) for index, body in enumerate(bodies)]
         try:
-            names = await self._write_slices(kube, writes)
+            names, dropped = await self._write_slices(kube, writes)
             await self._delete_slices(kube, obsolete)  # once the new generation is complete
         except Invalid as error:
             log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
@@ -294,15 +329,24 @@ class SlicePublisher:
         log.info("DRA: pool %s generation %d: %d devices in %d slices (%d written%s)", pool, generation,
                  len(devices), count, len(writes), ", in place" if updates is not None else "",
                  extra={"EVENT": "dra", "DRA_POOL": pool})
+        if dropped and pool not in self._no_taints:
+            self._no_taints.add(pool)
+            log.error("DRA: the API server dropped the device taints of pool %s (its feature gate DRADeviceTaints "
+                      "is off: Kubernetes 1.35 or older by default); unhealthy devices are left out of its "
+                      "ResourceSlices instead until devplugd restarts", pool, extra={"EVENT": "dra", "DRA_POOL": pool})
+            self._wake()
+            return False
         return True
 
-    async def _write_slices(self, kube: Kube,
-                            writes: list[tuple[JsonObject, JsonObject | None]]) -> list[tuple[str, str]]:
+    async def _write_slices(self, kube: Kube, writes: list[tuple[JsonObject, JsonObject | None]],
+                            ) -> tuple[list[tuple[str, str]], bool]:
         """Each body into its slice (``None``: a new one), all at once (each its own request: 8
         slices take one PUT's time); the name and resourceVersion of each slice written, in the
-        order of ``writes``. Raises the first failure, a refusal (Invalid) before any other."""
+        order of ``writes``, and whether the server dropped taints we sent. Raises the first
+        failure, a refusal (Invalid) before any other."""
         written: list[tuple[str, str] | None] = [None] * len(writes)
         failures: list[KubeError] = []
+        dropped: list[bool] = []
 
         async def write(index: int, body: JsonObject, current: JsonObject | None) -> None:
             async with self._writers:
@@ -312,13 +356,15 @@ class SlicePublisher:
                     failures.append(error)
                     return
             written[index] = (answer["metadata"]["name"], str(answer["metadata"]["resourceVersion"]))
+            if dropped_taints(body["spec"]["devices"], answer["spec"].get("devices") or []):
+                dropped.append(True)
 
         async with trio.open_nursery() as nursery:
             for index, (body, current) in enumerate(writes):
                 nursery.start_soon(write, index, body, current)
         if failures:
             raise next((f for f in failures if isinstance(f, Invalid)), failures[0])
-        return [entry for entry in written if entry is not None]
+        return [entry for entry in written if entry is not None], bool(dropped)
 
     async def _put_or_create(self, kube: Kube, body: JsonObject, current: JsonObject | None) -> JsonObject:
         for _ in range(CONFLICT_RETRIES):

@@ -18,9 +18,9 @@ from collections.abc import Mapping, MutableSet, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from daemon.core import AttributeValue, DeviceDescriber, DeviceInfo, ResourcePool
-from daemon.core._names import dns_subdomain_problem
-from daemon.holdings import SLICE_ASKS, refusal
+from daemon.core import UNNAMED_FAULT, VANISHED_FAULT, AttributeValue, DeviceDescriber, DeviceInfo, Fault, ResourcePool
+from daemon.core._names import dns_subdomain_problem, label_value_problem
+from daemon.holdings import SLICE_ASKS, UNHEALTHY, VANISHED, holder_of, refusal
 
 from ._names import device_name
 
@@ -28,6 +28,7 @@ log = logging.getLogger("devplugd.dra")
 
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
+MAX_TAINTED_DEVICES_PER_SLICE = 64  # ResourceSliceMaxDevicesWithAdvancedFeatures: a slice holding any taint
 MAX_ATTRIBUTES = 32  # ResourceSliceMaxAttributesAndCapacitiesPerDevice (we publish no capacities)
 MAX_STRING_LENGTH = 64  # DeviceAttributeMaxValueLength, in bytes (Go's len)
 MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the name part of a QualifiedName
@@ -100,13 +101,18 @@ class _Problems:
         self.report(device_id, f"device {device_id}: attribute {key!r} left out of its ResourceSlice: {reason}")
 
 
+# a device's entry as last made: its record, its taint (the fault and the effect), the entry
+Memo = dict[str, tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any]]]
+
+
 def slice_devices(
     pool: ResourcePool,
     driver: str,
     describer: DeviceDescriber | None,
     *,
+    taint_effect: str | None = None,
     seen: MutableSet[str] | None = None,
-    memo: dict[str, tuple[DeviceInfo, dict[str, Any]]] | None = None,
+    memo: Memo | None = None,
 ) -> list[dict[str, Any]]:
     """The ``devices[]`` entries ``pool`` publishes, in the order ListAndWatch lists them (by
     device ID): every device the one availability rule offers to the slices
@@ -115,6 +121,10 @@ def slice_devices(
     "attributes": {...}}``. Devices prepared for claims stay: the scheduler allocated them from
     these slices and counts them allocated through their claims; taking them out would only
     rewrite the pool at every pod start.
+
+    With ``taint_effect`` (``NoSchedule``, ``NoExecute`` or ``None``), an Unhealthy or vanished
+    device that nothing else holds is published too, with one taint (``device_taint``) naming
+    why; without it (the pool says ``omit``, or the API server drops taints) it is left out.
 
     Attributes: ``id`` (the device-plugin ID), ``resourceName`` (the pool's resource),
     ``numaNode`` and the standard ``resource.kubernetes.io/numaNode`` (KEP-6072, the name other
@@ -142,10 +152,14 @@ def slice_devices(
     own_prefix = f"{driver}/"
     devices: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # device name -> the device ID that has it
-    remembered: dict[str, tuple[DeviceInfo, dict[str, Any]]] = {}
+    remembered: Memo = {}
     for device_id, info in sorted(pool.devices.items()):
-        if refusal(pool, device_id, SLICE_ASKS) is not None:
-            continue
+        taint: tuple[Fault, str] | None = None
+        if (refused := refusal(pool, device_id, SLICE_ASKS)) is not None:
+            if (taint_effect is None or refused.reason not in (UNHEALTHY, VANISHED)
+                    or holder_of(pool, device_id, SLICE_ASKS) is not None):
+                continue
+            taint = (device_fault(pool, device_id, info), taint_effect)
         numa_nodes = info.numa_nodes
         name = device_name(device_id)
         if name in names:
@@ -154,8 +168,8 @@ def slice_devices(
             continue
         names[name] = device_id
         cached = memo.get(device_id) if memo is not None else None
-        if cached is not None and cached[0] is info:
-            devices.append(cached[1])
+        if cached is not None and cached[0] is info and cached[1] == taint:
+            devices.append(cached[2])
             remembered[device_id] = cached
             continue
         attributes: dict[str, dict[str, AttributeValue]] = {}
@@ -175,13 +189,33 @@ def slice_devices(
                 problems.drop(device_id, described, f"a device has at most {MAX_ATTRIBUTES} attributes")
             else:
                 _add(attributes, short, described, described_value, problems, device_id)
-        entry = {"name": name, "attributes": attributes}
+        entry: dict[str, Any] = {"name": name, "attributes": attributes}
+        if taint is not None:
+            entry["taints"] = [device_taint(driver, *taint)]
         devices.append(entry)
-        remembered[device_id] = (info, entry)
+        remembered[device_id] = (info, taint, entry)
     if memo is not None:
         memo.clear()
         memo.update(remembered)
     return devices
+
+
+def device_fault(pool: ResourcePool, device_id: str, info: DeviceInfo) -> Fault:
+    """Why a device refused as Unhealthy or vanished is: vanished first (its last record may
+    say another fault), then its handler's word, else a fault with no name."""
+    if device_id in pool.vanished:
+        return Fault(VANISHED_FAULT, "", "it is gone from the host")
+    return info.fault or Fault(UNNAMED_FAULT, "", f"it is {info.health}")
+
+
+def device_taint(driver: str, fault: Fault, effect: str) -> dict[str, str]:
+    """The taint of a device with ``fault``: key ``<driver>/<cause>``, the fault's detail as the
+    value when it is a valid label value (else none), ``effect``; no ``timeAdded`` (the
+    publisher keeps the one on the server, ``_taints.py``)."""
+    taint = {"key": f"{driver}/{fault.cause}", "effect": effect}
+    if fault.detail and label_value_problem(fault.detail) is None:
+        taint["value"] = fault.detail
+    return taint
 
 
 def _described(

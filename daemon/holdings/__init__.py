@@ -26,6 +26,7 @@ from ._rule import (
     HolderLookup,
     Refusal,
     claim_asks,
+    holder_of,
     refusal,
     road_refusal,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "LostBook",
     "Refusal",
     "claim_asks",
+    "holder_of",
     "refusal",
     "road_refusal",
 ]

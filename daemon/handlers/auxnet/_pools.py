@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec
+from daemon.core import CARRIER_LOST, HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec, Fault
 from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info, vhost_net_specs_and_info
 
 from ._discovery import AuxFacts, ParentPf, ScalableFunction
@@ -40,14 +40,18 @@ class AuxDetails:
     info: Mapping[str, Mapping[str, str]]
 
 
-def unhealthy_reason(sf: ScalableFunction, facts: AuxFacts) -> str | None:
+def fault(sf: ScalableFunction, facts: AuxFacts) -> Fault | None:
     """Why the SF is Unhealthy (its link is up without carrier), or ``None``."""
     state = facts.links.get(sf.netdev) if sf.netdev is not None else None
-    return f"link {sf.netdev} is up without carrier" if state is not None and state.carrier_lost else None
+    if state is None or not state.carrier_lost or sf.netdev is None:
+        return None
+    return Fault(CARRIER_LOST, sf.netdev, f"link {sf.netdev} is up without carrier")
 
 
-def health(sf: ScalableFunction, facts: AuxFacts) -> str:
-    return HEALTHY if unhealthy_reason(sf, facts) is None else UNHEALTHY
+def unhealthy_reason(sf: ScalableFunction, facts: AuxFacts) -> str | None:
+    """Why the SF is Unhealthy, in words, or ``None``."""
+    found = fault(sf, facts)
+    return found.reason if found is not None else None
 
 
 def specs_and_info(sf: ScalableFunction, pf: ParentPf, selector: AuxSelector, facts: AuxFacts,
@@ -81,8 +85,10 @@ def build_pools(facts: AuxFacts, pools: Sequence[ConfiguredPool[AuxPoolSpec]],
         pool, selector = placed
         specs, info = specs_and_info(sf, pf, selector, facts, pool.entry.additional_info, vhost_available)
         numa = pf.numa_node
+        found = fault(sf, facts)
         devices[pool.resource][name] = DeviceInfo(
-            health=health(sf, facts),
+            health=HEALTHY if found is None else UNHEALTHY,
+            fault=found,
             numa_nodes=(numa,) if numa is not None and not pool.entry.exclude_topology else (),
             specs=specs,
             details=AuxDetails(sf, pf, info),

@@ -60,6 +60,7 @@ def group_device(functions: Sequence[tuple[str, DeviceInfo]]) -> tuple[str, Devi
     return address, replace(
         primary,
         health=UNHEALTHY if any(info.health != HEALTHY for info in infos) else HEALTHY,
+        fault=next((info.fault for info in infos if info.fault is not None), None),
         numa_nodes=tuple(sorted({node for info in infos for node in info.numa_nodes})),
         specs=tuple(first_per_host_path([spec for info in infos for spec in info.specs])),
         details=replace(details, members=members),

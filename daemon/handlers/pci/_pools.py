@@ -19,7 +19,17 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from types import MappingProxyType
 
-from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, LinkState
+from daemon.core import (
+    CARRIER_LOST,
+    HEALTHY,
+    PCIE_ERROR,
+    UNHEALTHY,
+    ConfiguredPool,
+    DeviceInfo,
+    DeviceMap,
+    Fault,
+    LinkState,
+)
 from daemon.handlers._sriov_allocation import vhost_net_available
 
 from ._allocation import PciDetails, device_specs_and_info, iommufd_specs
@@ -71,25 +81,29 @@ def eligible(device: PciDevice, device_type: str) -> bool:
     return ineligibility(device, device_type) is None
 
 
-def unhealthy_reason(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
-                     recovery: Mapping[str, str] = MappingProxyType({})) -> str | None:
+def fault(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
+          recovery: Mapping[str, str] = MappingProxyType({})) -> Fault | None:
     """Why ``device`` is Unhealthy, or ``None``: in PCIe error recovery (``recovery``: address ->
     state) whatever its links say, or a watched link up without carrier."""
     if (recovering := recovery.get(device.address)) is not None:
-        return "its PCIe error recovery failed" if recovering == "failed" else "it is in PCIe error recovery"
+        if recovering == "failed":
+            return Fault(PCIE_ERROR, "failed", "its PCIe error recovery failed")
+        return Fault(PCIE_ERROR, "recovering", "it is in PCIe error recovery")
     watched = [device.netdevs[0]] if device.netdevs else []
     if check_on_pf and device.pf_netdev:
         watched.append(device.pf_netdev)
     for ifname in watched:
         state = links.get(ifname)
         if state is not None and state.carrier_lost:
-            return f"link {ifname} is up without carrier"
+            return Fault(CARRIER_LOST, ifname, f"link {ifname} is up without carrier")
     return None
 
 
-def health(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
-           recovery: Mapping[str, str] = MappingProxyType({})) -> str:
-    return HEALTHY if unhealthy_reason(device, links, check_on_pf, recovery) is None else UNHEALTHY
+def unhealthy_reason(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
+                     recovery: Mapping[str, str] = MappingProxyType({})) -> str | None:
+    """Why ``device`` is Unhealthy, in words, or ``None``."""
+    found = fault(device, links, check_on_pf, recovery)
+    return found.reason if found is not None else None
 
 
 def _depends_on(device: PciDevice) -> set[str]:
@@ -277,8 +291,10 @@ def _device_info(
         specs += iommufd_specs(device, dev_root, pool.resource)
     spec: PciPoolSpec = pool.spec
     numa = device.numa_node
+    found = fault(device, facts.links, spec.check_health_on_pf, facts.recovery)
     return DeviceInfo(
-        health=health(device, facts.links, spec.check_health_on_pf, facts.recovery),
+        health=HEALTHY if found is None else UNHEALTHY,
+        fault=found,
         numa_nodes=(numa,) if numa is not None and not pool.entry.exclude_topology else (),
         specs=specs,
         details=PciDetails(device=device, info=info, rdma_device=rdma_device,
