@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,8 +15,9 @@ from kubernetes.client import ApiClient
 
 from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
 from daemon.core._names import dns_subdomain_problem
+from daemon.core._tree import DRA_ROAD
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
-from daemon.dra._slices import generate_name, slice_updates
+from daemon.dra._slices import Memo, generate_name, slice_updates
 from tests import trees
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
@@ -318,7 +319,7 @@ class CountingDescriber:
 def test_a_memo_describes_again_only_the_devices_whose_record_changed() -> None:
     pool = trees.pool(THINGS, ["kvm-0", "kvm-1", "kvm-2"])
     describer = CountingDescriber()
-    memo: dict[str, Any] = {}
+    memo = Memo()
     first = slice_devices(pool, DRIVER, describer, memo=memo)  # type: ignore[arg-type]
     devices = dict(pool.devices)
     devices["kvm-1"] = DeviceInfo(numa_nodes=(1,))  # a new record for one device
@@ -327,8 +328,26 @@ def test_a_memo_describes_again_only_the_devices_whose_record_changed() -> None:
     second = slice_devices(replace(pool, devices=devices), DRIVER, describer, memo=memo)  # type: ignore[arg-type]
     assert describer.asked == ["kvm-1"]
     assert second[0] is first[0] and second[1]["attributes"]["numaNode"] == {"int": 1}
-    assert set(memo) == {"kvm-0", "kvm-1"}  # what left the pool leaves the memo
+    assert set(memo.entries) == {"kvm-0", "kvm-1"}  # what left the pool leaves the memo
     assert second == slice_devices(replace(pool, devices=devices), DRIVER, describer)  # type: ignore[arg-type]
+
+
+def test_a_memo_asks_the_rule_again_when_the_pool_holds_devices_otherwise() -> None:
+    """The same records, but a device leased (or vanished, or held by the kubelet): the rule's
+    answer changes though no record did, and the memo must not answer for it."""
+    pool = trees.pool(THINGS, ["kvm-0", "kvm-1"], road=DRA_ROAD)
+    memo = Memo()
+    assert [d["name"] for d in slice_devices(pool, DRIVER, None, memo=memo)] == ["kvm-0", "kvm-1"]
+    leased = replace(pool, leased=frozenset({"kvm-1"}))
+    assert [d["name"] for d in slice_devices(leased, DRIVER, None, memo=memo)] == ["kvm-0"]
+    assert [d["name"] for d in slice_devices(pool, DRIVER, None, memo=memo)] == ["kvm-0", "kvm-1"]
+    sick = trees.pool(THINGS, ["kvm-0", "kvm-1"], road=DRA_ROAD, unhealthy=["kvm-0"])
+    records = dict(sick.devices)
+    pool = replace(pool, devices=MappingProxyType({"kvm-0": records["kvm-0"], "kvm-1": pool.devices["kvm-1"]}))
+    assert [d["name"] for d in slice_devices(pool, DRIVER, None, memo=memo)] == ["kvm-1"]
+    tainted = slice_devices(pool, DRIVER, None, taint_effect="NoSchedule", memo=memo)
+    assert [(d["name"], [t["key"] for t in d.get("taints", [])]) for d in tainted] == [
+        ("kvm-0", [f"{DRIVER}/unhealthy"]), ("kvm-1", [])]
 
 
 def test_a_long_node_name_cut_on_a_dot_still_gives_a_valid_generate_name() -> None:

@@ -55,7 +55,7 @@ class DraPools:
                 pool_wanted, memo = cached[1], cached[2]
             else:
                 # a reload may change what the describer says: a new pool config, a new memo
-                memo = cached[2] if cached is not None and cached[0].pool_config is pool.pool_config else {}
+                memo = cached[2] if cached is not None and cached[0].pool_config is pool.pool_config else Memo()
                 hooks = self._hooks.get(pool.handler)
                 effect: str | None = pool.pool_config.entry.unhealthy_taint
                 if effect == OMIT_UNHEALTHY:

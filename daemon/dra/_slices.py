@@ -21,6 +21,7 @@ from typing import Any
 from daemon.core import UNNAMED_FAULT, VANISHED_FAULT, AttributeValue, DeviceDescriber, DeviceInfo, Fault, ResourcePool
 from daemon.core._names import dns_subdomain_problem, label_value_problem
 from daemon.holdings import SLICE_ASKS, UNHEALTHY, VANISHED, holder_of, refusal
+from daemon.holdings._rule import rule_context
 
 from ._names import device_name
 
@@ -101,8 +102,18 @@ class _Problems:
         self.report(device_id, f"device {device_id}: attribute {key!r} left out of its ResourceSlice: {reason}")
 
 
-# a device's entry as last made: its record, its taint (the fault and the effect), the entry
-Memo = dict[str, tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any]]]
+class Memo:
+    """What ``slice_devices`` made of one pool last time: per device, its record, its taint
+    (the fault and the effect) and its entry (``None``: left out), and what the availability
+    rule read of the pool besides the records (``context``). While the context is the same, a
+    device whose record is the same object is what it was: neither the rule nor the describer
+    is asked again (a change to one VF of 4096 costs one entry, not 4096)."""
+
+    __slots__ = ("context", "entries")
+
+    def __init__(self) -> None:
+        self.context: object = None
+        self.entries: dict[str, tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any] | None]] = {}
 
 
 def slice_devices(
@@ -136,10 +147,8 @@ def slice_devices(
     device whose name an earlier device of the pool has is left out. Each is logged with its
     reason, once per call or, when the caller passes the same ``seen`` set every time, once in all.
 
-    ``memo`` (the caller's, for one pool and its config) keeps each device's entry with the
-    DeviceInfo it came from: a device whose record is the same object as last time is not
-    described again (a change to one VF of 4096 costs one entry, not 4096). It is left holding
-    the devices of this call only.
+    ``memo`` (the caller's, for one pool and its config; see ``Memo``) is left holding the
+    devices of this call only.
 
     A pool whose resource name is over 64 bytes publishes no devices: ``resourceName`` is what
     its DeviceClass selects on, and a device of our driver without it would make every class's
@@ -149,55 +158,73 @@ def slice_devices(
     if problem := string_problem(pool.resource):
         problems.report("", f"no devices published: the resource name cannot be an attribute: {problem}")
         return []
-    own_prefix = f"{driver}/"
     devices: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # device name -> the device ID that has it
-    remembered: Memo = {}
+    context = (rule_context(pool), taint_effect)
+    known = memo.entries if memo is not None else {}
+    same_context = memo is not None and memo.context == context
+    remembered: dict[str, tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any] | None]] = {}
     for device_id, info in sorted(pool.devices.items()):
-        taint: tuple[Fault, str] | None = None
-        if (refused := refusal(pool, device_id, SLICE_ASKS)) is not None:
-            if (taint_effect is None or refused.reason not in (UNHEALTHY, VANISHED)
-                    or holder_of(pool, device_id, SLICE_ASKS) is not None):
+        cached = known.get(device_id)
+        entry: dict[str, Any] | None
+        if same_context and cached is not None and cached[0] is info:
+            remembered[device_id] = cached
+            entry = cached[2]
+            if entry is None:
                 continue
-            taint = (device_fault(pool, device_id, info), taint_effect)
-        numa_nodes = info.numa_nodes
-        name = device_name(device_id)
+            name = entry["name"]
+        else:
+            taint: tuple[Fault, str] | None = None
+            if (refused := refusal(pool, device_id, SLICE_ASKS)) is not None:
+                if (taint_effect is None or refused.reason not in (UNHEALTHY, VANISHED)
+                        or holder_of(pool, device_id, SLICE_ASKS) is not None):
+                    remembered[device_id] = (info, None, None)
+                    continue
+                taint = (device_fault(pool, device_id, info), taint_effect)
+            if cached is not None and cached[0] is info and cached[1] == taint and cached[2] is not None:
+                entry = cached[2]
+            else:
+                entry = _entry(pool, device_id, info, taint, driver, describer, problems)
+            remembered[device_id] = (info, taint, entry)
+            name = entry["name"]
         if name in names:
             problems.report(device_id, f"device {device_id} left out of its ResourceSlice: its name {name!r} "
                                        f"is the name of device {names[name]} already")
             continue
         names[name] = device_id
-        cached = memo.get(device_id) if memo is not None else None
-        if cached is not None and cached[0] is info and cached[1] == taint:
-            devices.append(cached[2])
-            remembered[device_id] = cached
-            continue
-        attributes: dict[str, dict[str, AttributeValue]] = {}
-        core: dict[str, AttributeValue] = {"id": device_id, "resourceName": pool.resource}
-        if len(numa_nodes) == 1:
-            core["numaNode"] = core[STANDARD_NUMA_NODE] = numa_nodes[0]
-        for key, value in core.items():
-            _add(attributes, key, key, value, problems, device_id)
-        for described, described_value in _described(pool, device_id, describer, problems):
-            if not isinstance(described, str):
-                problems.drop(device_id, described, "its name is not a string")
-                continue
-            short = described[len(own_prefix):] if described.startswith(own_prefix) else described
-            if short in attributes:
-                problems.drop(device_id, described, f"{short!r} is set already")
-            elif len(attributes) >= MAX_ATTRIBUTES:
-                problems.drop(device_id, described, f"a device has at most {MAX_ATTRIBUTES} attributes")
-            else:
-                _add(attributes, short, described, described_value, problems, device_id)
-        entry: dict[str, Any] = {"name": name, "attributes": attributes}
-        if taint is not None:
-            entry["taints"] = [device_taint(driver, *taint)]
         devices.append(entry)
-        remembered[device_id] = (info, taint, entry)
     if memo is not None:
-        memo.clear()
-        memo.update(remembered)
+        memo.context = context
+        memo.entries = remembered
     return devices
+
+
+def _entry(pool: ResourcePool, device_id: str, info: DeviceInfo, taint: tuple[Fault, str] | None, driver: str,
+           describer: DeviceDescriber | None, problems: _Problems) -> dict[str, Any]:
+    """One device's ``devices[]`` entry: its name, its attributes, its taint."""
+    own_prefix = f"{driver}/"
+    numa_nodes = info.numa_nodes
+    attributes: dict[str, dict[str, AttributeValue]] = {}
+    core: dict[str, AttributeValue] = {"id": device_id, "resourceName": pool.resource}
+    if len(numa_nodes) == 1:
+        core["numaNode"] = core[STANDARD_NUMA_NODE] = numa_nodes[0]
+    for key, value in core.items():
+        _add(attributes, key, key, value, problems, device_id)
+    for described, described_value in _described(pool, device_id, describer, problems):
+        if not isinstance(described, str):
+            problems.drop(device_id, described, "its name is not a string")
+            continue
+        short = described[len(own_prefix):] if described.startswith(own_prefix) else described
+        if short in attributes:
+            problems.drop(device_id, described, f"{short!r} is set already")
+        elif len(attributes) >= MAX_ATTRIBUTES:
+            problems.drop(device_id, described, f"a device has at most {MAX_ATTRIBUTES} attributes")
+        else:
+            _add(attributes, short, described, described_value, problems, device_id)
+    entry: dict[str, Any] = {"name": device_name(device_id), "attributes": attributes}
+    if taint is not None:
+        entry["taints"] = [device_taint(driver, *taint)]
+    return entry
 
 
 def device_fault(pool: ResourcePool, device_id: str, info: DeviceInfo) -> Fault:

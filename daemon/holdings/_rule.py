@@ -122,6 +122,12 @@ def refusal(pool: ResourcePool, device_id: str, asker: Asker, live: HolderLookup
     return Refusal(_HELD_REASONS[holder.kind], f"is held by {holder.describe()}", holder)
 
 
+def rule_context(pool: ResourcePool) -> tuple[object, ...]:
+    """Everything ``refusal`` reads of ``pool`` besides its devices' records (without live
+    holders): while it is equal, a device whose record is the same object gets the same answer."""
+    return (pool.resource, pool.road, pool.vanished, pool.leased, pool.claimed, pool.kubelet_held, pool.lost_book)
+
+
 def holder_of(pool: ResourcePool, device_id: str, asker: Asker, live: HolderLookup | None = None) -> Holder | None:
     """Who holds the device as far as ``asker`` is concerned (see the module docstring)."""
     if live is not None and (now := live(pool, device_id)) is not None and not asker.ignores(now):
