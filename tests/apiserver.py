@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import json
 import random
 import re
@@ -285,6 +286,90 @@ def _label_value(value: str) -> list[str]:
             "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and "
             "must start and end with an alphanumeric character", _LABEL_VALUE_FMT, "MyValue", "my_value", "12345"))
     return problems
+
+
+# -- ResourceClaim status.devices validation (validateResourceClaimStatusUpdate) ---------------
+CLAIM_DEVICE_CONDITIONS_MAX = 8  # AllocatedDeviceStatusMaxConditions
+CLAIM_DEVICE_DATA_MAX = 10 * 1024  # AllocatedDeviceStatusDataMaxLength
+NETWORK_INTERFACE_NAME_MAX = 256  # NetworkDeviceDataInterfaceNameMaxLength
+NETWORK_HARDWARE_ADDRESS_MAX = 128  # NetworkDeviceDataHardwareAddressMaxLength
+NETWORK_IPS_MAX = 16  # NetworkDeviceDataMaxIPs
+_CIDR_EXAMPLE = "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)"
+
+
+def _device_id(entry: Mapping[str, Any]) -> str:
+    """structured.SharedDeviceID as Go prints it: driver/pool/device, and /shareID for a share."""
+    base = f"{entry.get('driver')}/{entry.get('pool')}/{entry.get('device')}"
+    return f"{base}/{entry['shareID']}" if entry.get("shareID") else base
+
+
+def _is_cidr(value: Any) -> bool:
+    """netutils.ParseCIDRSloppy: an address and a prefix length (host bits may be set)."""
+    if not isinstance(value, str) or "/" not in value:
+        return False
+    try:
+        ipaddress.ip_interface(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate_network_data(data: Any, path: str) -> list[FieldError]:
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        return [_invalid(path, data, "must be an object")]
+    errors: list[FieldError] = []
+    for key, limit in (("interfaceName", NETWORK_INTERFACE_NAME_MAX), ("hardwareAddress", NETWORK_HARDWARE_ADDRESS_MAX)):
+        value = data.get(key, "")
+        if not isinstance(value, str):
+            errors.append(_invalid(f"{path}.{key}", value, "must be a string"))
+        elif _nbytes(value) > limit:
+            errors.append(_too_long(f"{path}.{key}", limit))
+    ips = data.get("ips") or []
+    if not isinstance(ips, list):
+        return errors + [_invalid(f"{path}.ips", ips, "must be a list")]
+    if len(ips) > NETWORK_IPS_MAX:
+        return errors + [_too_many(f"{path}.ips", len(ips), NETWORK_IPS_MAX)]
+    seen: set[str] = set()
+    for index, ip in enumerate(ips):
+        if not _is_cidr(ip):
+            errors.append(_invalid(f"{path}.ips[{index}]", ip, _CIDR_EXAMPLE))
+        elif ip in seen:
+            errors.append(FieldError("Duplicate value", f"{path}.ips[{index}]", ip))
+        seen.add(str(ip))
+    return errors
+
+
+def validate_claim_devices(devices: Sequence[Mapping[str, Any]], allocation: Mapping[str, Any] | None
+                           ) -> list[FieldError]:
+    """``status.devices``: each names an allocated device of the claim (and its share), once;
+    its driver, pool and device names valid; at most 8 conditions, data of at most 10 KiB, and
+    ``networkData`` with an interfaceName of at most 256 bytes, a hardwareAddress of at most 128
+    and at most 16 distinct CIDRs as ips."""
+    results = ((allocation or {}).get("devices") or {}).get("results") or []
+    allocated = {_device_id(result) for result in results}
+    errors: list[FieldError] = []
+    seen: set[str] = set()
+    for index, entry in enumerate(devices):
+        path = f"status.devices[{index}]"
+        errors += _validate_driver_name(str(entry.get("driver") or ""), f"{path}.driver")
+        errors += _validate_pool_name(str(entry.get("pool") or ""), f"{path}.pool")
+        device = str(entry.get("device") or "")
+        errors += [_required(f"{path}.device")] if not device else _each(f"{path}.device", device, _dns_label(device))
+        key = _device_id(entry)
+        if key not in allocated:
+            errors.append(_invalid(path, key, "must be an allocated device in the claim"))
+        if key in seen:
+            errors.append(FieldError("Duplicate value", f"{path}.deviceID", key))
+        seen.add(key)
+        conditions = entry.get("conditions") or []
+        if isinstance(conditions, list) and len(conditions) > CLAIM_DEVICE_CONDITIONS_MAX:
+            errors.append(_too_many(f"{path}.conditions", len(conditions), CLAIM_DEVICE_CONDITIONS_MAX))
+        if entry.get("data") is not None and len(_dumps(entry["data"])) > CLAIM_DEVICE_DATA_MAX:
+            errors.append(_too_long(f"{path}.data", CLAIM_DEVICE_DATA_MAX))
+        errors += _validate_network_data(entry.get("networkData"), f"{path}.networkData")
+    return errors
 
 
 # -- ResourceSlice validation (pkg/apis/resource/validation/validation.go) ---------------------
@@ -1085,27 +1170,37 @@ users:
         return (b'{"kind":"ResourceSliceList","apiVersion":"%s","metadata":%s,"items":[%s]}'
                 % (API_VERSION.encode(), metadata, b",".join(items)))
 
+    def write_claim_status(self, namespace: str, name: str, devices: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Set the claim's ``status.devices`` as another driver would (validated; ApiError on
+        failure): the claim as stored now."""
+        with self._cond:
+            rv = self._claims[namespace, name].rv
+        body = {"metadata": {"resourceVersion": rv}, "status": {"devices": json.loads(_dumps(list(devices)))}}
+        return self._update_claim_status(namespace, name, body).copy()
+
     def _update_claim_status(self, namespace: str, name: str, body: Any) -> _Stored:
-        """PUT .../status: only ``status.devices`` is taken, each an allocated device of the claim."""
+        """PUT .../status: only ``status.devices`` is taken, validated as upstream's
+        ``validateResourceClaimStatusUpdate`` does (``validate_claim_devices``); a stale
+        resourceVersion is a 409; a write that changes nothing keeps the resourceVersion."""
         if not isinstance(body, dict):
             raise ApiError(400, "ResourceClaim in version \"v1\" cannot be handled as a ResourceClaim")
         meta = body.get("metadata") or {}
+        status = body.get("status") or {}
+        devices = status.get("devices") if isinstance(status, dict) else None
+        if devices is not None and not (isinstance(devices, list) and all(isinstance(d, dict) for d in devices)):
+            raise ApiError(400, "ResourceClaim in version \"v1\" cannot be handled as a ResourceClaim: "
+                                "status.devices: expected a list of objects")
         with self._cond:
             old = self._claims.get((namespace, name))
             if old is None:
                 raise CLAIMS.not_found(name)
             if meta.get("resourceVersion") and meta["resourceVersion"] != old.rv:
                 raise CLAIMS.conflict(name, _MODIFIED)
-            devices = (body.get("status") or {}).get("devices")
-            allocation = old.obj["status"].get("allocation") or {}
-            allocated = {(r.get("driver"), r.get("pool"), r.get("device"))
-                         for r in (allocation.get("devices") or {}).get("results", [])}
-            errors = [_invalid(f"status.devices[{index}]", f"{d.get('driver')}/{d.get('pool')}/{d.get('device')}",
-                               "must be an allocated device in the claim")
-                      for index, d in enumerate(devices or [])
-                      if (d.get("driver"), d.get("pool"), d.get("device")) not in allocated]
+            errors = validate_claim_devices(devices or [], old.obj["status"].get("allocation"))
             if errors:
                 raise CLAIMS.invalid(name, errors)
+            if (devices or None) == old.obj["status"].get("devices"):
+                return old  # no change: no new resourceVersion
             obj = old.copy_obj()
             if devices:
                 obj["status"]["devices"] = devices

@@ -183,7 +183,7 @@ def test_a_resource_that_cannot_be_a_class_is_refused_naming_it(pci: Pci, devnod
         device_class_name("d" * 63 + "." + "e" * 63 + "." + "f" * 63 + "." + "g" * 50 + "/" + "n" * 20)
 
 
-def test_rbac_lets_the_daemon_manage_its_slices_and_read_claims() -> None:
+def test_rbac_lets_the_daemon_manage_its_slices_read_claims_and_write_their_device_status() -> None:
     account, role, binding = rbac_objects(DRIVER, namespace="kube-system", service_account="dp")
     assert account["metadata"] == {"name": "dp", "namespace": "kube-system",
                                    "labels": {"app.kubernetes.io/managed-by": "devplugd"}}
@@ -192,7 +192,9 @@ def test_rbac_lets_the_daemon_manage_its_slices_and_read_claims() -> None:
         "get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
     assert rules[("", "nodes")] == ["get"]
     assert rules[("resource.k8s.io", "resourceclaims")] == ["get"]
-    assert rules[("resource.k8s.io", "resourceclaims/status")] == ["update"]
+    assert rules[("resource.k8s.io", "resourceclaims/status")] == ["get", "update", "patch"]
+    # what 1.36's granular status authorization asks of a node-local driver, for its own driver only
+    assert rules[("resource.k8s.io", "resourceclaims/driver")] == ["associated-node:update", "associated-node:patch"]
     assert role["rules"][-1]["resourceNames"] == [DRIVER]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "dp-dra"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dp", "namespace": "kube-system"}]

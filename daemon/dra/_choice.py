@@ -56,8 +56,9 @@ def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: S
             raise ClaimRefused(f"{ref.label}: device {name!r} ({device_id} of {pool.resource}) {why.predicate}")
         # the main requests: the pod spec and the kubelet know no subrequest (KEP-4816)
         requests = tuple(dict.fromkeys(result.main_request for result in device_results))
+        share_id = next((result.share_id for result in device_results if result.share_id), None)
         device = PreparedDevice(pool.resource, device_id, pool_label, name, requests, admin_access,
-                                f"{cdi_kind}={ref.uid}-{name}")
+                                f"{cdi_kind}={ref.uid}-{name}", share_id)
         chosen.append(Chosen(pool, device))
     return chosen
 

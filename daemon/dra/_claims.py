@@ -183,7 +183,8 @@ def _list(value: Any, where: str, malformed: Callable[[str], ClaimRefused]) -> l
 @dataclass(frozen=True)
 class PreparedDevice:
     """One device of a prepared claim: where it comes from (``resource``, ``device_id``), what
-    the kubelet was told (``pool_name``, ``device_name``, ``request_names``, ``cdi_id``)."""
+    the kubelet was told (``pool_name``, ``device_name``, ``request_names``, ``cdi_id``, and
+    ``share_id``: the allocation's ``shareID`` of the device, or ``None``)."""
 
     resource: str
     device_id: str
@@ -192,9 +193,10 @@ class PreparedDevice:
     request_names: tuple[str, ...]
     admin_access: bool
     cdi_id: str
+    share_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "resource": self.resource,
             "device_id": self.device_id,
             "pool_name": self.pool_name,
@@ -203,9 +205,15 @@ class PreparedDevice:
             "admin_access": self.admin_access,
             "cdi_id": self.cdi_id,
         }
+        if self.share_id is not None:  # left out otherwise: the checkpoints of earlier versions read the same
+            document["share_id"] = self.share_id
+        return document
 
     @classmethod
     def from_json(cls, item: Mapping[str, Any]) -> PreparedDevice:
+        share_id = item.get("share_id")
+        if share_id is not None and not isinstance(share_id, str):
+            raise ValueError(f"'share_id' must be a string, not {type(share_id).__name__}")
         return cls(
             resource=_string(item, "resource"),
             device_id=_string(item, "device_id"),
@@ -214,6 +222,7 @@ class PreparedDevice:
             request_names=tuple(_strings(item, "request_names")),
             admin_access=_boolean(item, "admin_access"),
             cdi_id=_string(item, "cdi_id"),
+            share_id=share_id,
         )
 
 

@@ -69,9 +69,13 @@ def rbac_objects(driver: str, namespace: str = "devplugd", service_account: str 
     """The ServiceAccount, ClusterRole and ClusterRoleBinding the daemon runs with as a DRA
     driver (the rules of the DRA example driver's and the SR-IOV DRA driver's ClusterRoles): its
     ResourceSlices in full, including the kubelet's kind of wipe (deletecollection); the Node,
-    for the slices' owner reference; ResourceClaims to read, and their status to write the
-    devices' status. The ``resourceclaims/driver`` rule is what Kubernetes 1.36+ asks of a
-    status write when DRAResourceClaimGranularStatusAuthorization is on, limited to ``driver``."""
+    for the slices' owner reference; ResourceClaims to read (Prepare, and the periodic look for
+    claims gone from the API server), and their status to read and write (``status.devices``,
+    KEP-4817; the verbs of the node-local driver role in Kubernetes' DRA authorization docs).
+    The ``resourceclaims/driver`` rule, with the node-aware verbs ``associated-node:update`` and
+    ``associated-node:patch``, is what Kubernetes 1.36+ asks of a write of ``status.devices``
+    when DRAResourceClaimGranularStatusAuthorization is on (beta, on by default), limited to
+    ``driver``: a ``resourceclaims/status`` rule alone is refused."""
     role = f"{service_account}-dra"
     return [
         {
@@ -88,7 +92,7 @@ def rbac_objects(driver: str, namespace: str = "devplugd", service_account: str 
                       ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]),
                 _rule("", ["nodes"], ["get"]),
                 _rule("resource.k8s.io", ["resourceclaims"], ["get"]),
-                _rule("resource.k8s.io", ["resourceclaims/status"], ["update"]),
+                _rule("resource.k8s.io", ["resourceclaims/status"], ["get", "update", "patch"]),
                 {**_rule("resource.k8s.io", ["resourceclaims/driver"],
                          ["associated-node:update", "associated-node:patch"]), "resourceNames": [driver]},
             ],

@@ -12,7 +12,9 @@ Started, it runs until the daemon stops:
   those slices, against its view of our slices there (``_view.py``);
 * the kubelet plugin (``_sockets.py``): ``dra.sock`` with DRAPlugin v1 and v1beta1 (prepare and
   unprepare through ``ClaimPreparer``, ``_prepare.py``) and DRAResourceHealth (``_health.py``),
-  and the registration socket in ``plugins_registry``.
+  and the registration socket in ``plugins_registry``;
+* the ``ClaimStatusWriter`` (``_status.py``): each prepared claim's ``status.devices``, written
+  in the background.
 
 Who holds what (the claim book, the withheld pools) is told to ``daemon.holdings``; a change is
 posted to the bus as ``ClaimsChanged``.
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from ._health import HealthServicer
     from ._prepare import ClaimPreparer
     from ._sockets import DraSockets
+    from ._status import ClaimStatusWriter
 
 log = logging.getLogger("devplugd.dra")
 
@@ -79,6 +82,7 @@ class DraDriver:
         self.started = False
         # the kubelet plugin, made when the driver starts (see _plugin)
         self.preparer: ClaimPreparer | None = None
+        self.status: ClaimStatusWriter | None = None
         self.health: HealthServicer | None = None
         self.sockets: DraSockets | None = None
 
@@ -98,20 +102,23 @@ class DraDriver:
         if self.sockets is not None:
             self.sockets.socket_removed(path)
 
-    def _plugin(self) -> tuple[ClaimPreparer, HealthServicer, DraSockets]:
+    def _plugin(self) -> tuple[ClaimPreparer, ClaimStatusWriter, HealthServicer, DraSockets]:
         """The kubelet plugin: its modules (gRPC services and the generated DRA messages) are
         imported here, when a DRA pool or a prepared claim first needs them."""
         from ._health import HealthServicer
         from ._prepare import ClaimPreparer
         from ._servicer import DraPluginServicer
         from ._sockets import DraSockets
+        from ._status import ClaimStatusWriter
 
         settings = self._settings
+        status = ClaimStatusWriter(settings.dra_driver, self.link.get, lambda: self._notifier.tree, self._hooks,
+                                   settings.sysfs_root, self._metrics)
         preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, self.claims,
                                  lambda: self._notifier.tree, self._hooks, self._get_claim, self._changed,
-                                 holders=self._holdings.holder, metrics=self._metrics)
+                                 holders=self._holdings.holder, metrics=self._metrics, status=status)
         health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics)
-        return preparer, health, DraSockets(settings, DraPluginServicer(preparer), health)
+        return preparer, status, health, DraSockets(settings, DraPluginServicer(preparer), health)
 
     def warm_up(self) -> None:
         """Import the Kubernetes client and read the credentials now, in a worker thread, while
@@ -127,8 +134,9 @@ class DraDriver:
         if not self.started and (self.claims.claims or self.claims.lost or any(
                 pool.road in (DRA_ROAD, WITHHELD_ROAD) for pool in tree.pools.values())):
             self.started = True
-            self.preparer, self.health, self.sockets = self._plugin()
-            self._nursery.start_soon(self._run, self.preparer, self.health, self.sockets, name="the DRA driver")
+            self.preparer, self.status, self.health, self.sockets = self._plugin()
+            self._nursery.start_soon(self._run, self.preparer, self.status, self.health, self.sockets,
+                                     name="the DRA driver")
         if self.started:
             self.pools.offer(tree)
 
@@ -139,15 +147,17 @@ class DraDriver:
         except NotFound as error:
             raise ClaimNotFound(f"claim {namespace}/{name} is not on the API server") from error
 
-    async def _run(self, preparer: ClaimPreparer, health: HealthServicer, sockets: DraSockets) -> None:
+    async def _run(self, preparer: ClaimPreparer, status: ClaimStatusWriter, health: HealthServicer,
+                   sockets: DraSockets) -> None:
         settings = self._settings
         log.info("DRA driver %s for node %s: plugin socket %s, registration %s", settings.dra_driver,
                  settings.node_name, settings.dra_socket, settings.dra_registration_socket, extra={"EVENT": "dra"})
         for directory in (settings.dra_socket.parent, settings.plugins_registry_dir):
             self._follow_socket_dir(directory)
-        await preparer.restore()
         try:
             async with trio.open_nursery() as nursery:
+                await nursery.start(status.run)
+                await preparer.restore()
                 await nursery.start(sockets.run)
                 nursery.start_soon(keep_running, "the ResourceSlice publisher", self.publisher.run,
                                    Backoff(first=0.5, maximum=10.0))

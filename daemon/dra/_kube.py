@@ -158,6 +158,14 @@ class Kube:
             f"GET resourceclaim {namespace}/{name}", self._resource.read_namespaced_resource_claim, name, namespace)
         return claim
 
+    def replace_claim_status(self, namespace: str, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT the claim's status (``body`` is the whole claim as read, its resourceVersion the
+        precondition: 409 Conflict when someone wrote it since)."""
+        replaced: dict[str, Any] = self._call(
+            f"UPDATE resourceclaim {namespace}/{name} status", self._resource.replace_namespaced_resource_claim_status,
+            name, namespace, body)
+        return replaced
+
     def list_slices(self, field_selector: str) -> tuple[list[dict[str, Any]], str]:
         """Our slices and the list's resourceVersion (to watch from)."""
         answer = self._call(f"LIST resourceslices {field_selector}", self._resource.list_resource_slice,

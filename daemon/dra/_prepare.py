@@ -32,7 +32,9 @@ Prepare, for each claim of a call:
 
 Every claim gets an answer of its own: one claim's failure, whatever it is, never fails another.
 Unprepare removes the spec, the side files (those no other prepared claim shares) and the book
-entry; an unknown claim is already unprepared. The work under the lock is shielded from
+entry; an unknown claim is already unprepared. The claim's ``status.devices`` lists the devices
+of a prepared claim, and no more once it is unprepared, written in the background
+(``_status.py``): a write that fails never fails nor delays the answer. The work under the lock is shielded from
 cancellation (a kubelet that gives up mid-way), so a claim is never left half prepared.
 
 With a lost book (its checkpoint could not be read) only the claims whose specs say they were
@@ -69,6 +71,7 @@ from ._claims import (
     driver_results,
 )
 from ._claimspecs import Chosen, ClaimSpecs
+from ._status import ClaimStatusWriter
 
 log = logging.getLogger("devplugd.dra")
 
@@ -103,6 +106,7 @@ class ClaimPreparer:
         get_timeout: float = CLAIM_GET_TIMEOUT,
         holders: HolderLookup | None = None,
         metrics: Metrics | None = None,
+        status: ClaimStatusWriter | None = None,
     ) -> None:
         self._driver = driver
         self._node = node_name
@@ -116,6 +120,8 @@ class ClaimPreparer:
         # who holds what now (a lease granted a moment ago is not in the tree yet)
         self._holders = holders
         self._metrics = metrics or Metrics()
+        # told of each claim prepared and unprepared, for its status.devices (in the background)
+        self._status = status
         self._lock = trio.Lock()
         # with a lost checkpoint: the claims whose specs say they were prepared before (None: not read yet)
         self._unaccounted: set[str] | None = None
@@ -192,6 +198,8 @@ class ClaimPreparer:
             raise
         if self._unaccounted:
             self._unaccounted.discard(ref.uid)
+        if self._status is not None:
+            self._status.prepared(claim)
         log.info("prepared %s (UID %s): %s", ref.label, ref.uid,
                  ", ".join(f"{c.device.device_id} of {c.device.resource}" for c in chosen), extra={"EVENT": "prepare"})
         self._on_change(f"{ref.label} prepared")
@@ -312,6 +320,8 @@ class ClaimPreparer:
             except OSError as error:
                 return f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}"
             log.info("unprepared %s (UID %s)", claim.label, ref.uid, extra={"EVENT": "unprepare"})
+            if self._status is not None:
+                self._status.unprepared(claim)
             self._on_change(f"{claim.label} unprepared")
         if self._unaccounted and ref.uid in self._unaccounted:
             self._unaccounted.discard(ref.uid)
@@ -326,9 +336,12 @@ class ClaimPreparer:
         /var/run while the kubelet still counts the claims prepared) and remove claim specs of
         ours the checkpoint does not have (a prepare that crashed before its checkpoint; the
         kubelet, never answered, asks again). With a lost checkpoint nothing is removed: those
-        specs are all that tells which claims were prepared."""
+        specs are all that tells which claims were prepared. Every prepared claim's status is
+        made to list its devices (in the background)."""
         async with self._lock:
             for claim in list(self._claims.claims.values()):
+                if self._status is not None:  # a write a restart cut short is made now
+                    self._status.prepared(claim)
                 try:
                     await self._rewrite_spec_if_missing(claim)
                 except ClaimRefused as error:

@@ -1,0 +1,107 @@
+"""The real daemon's claims as the API server sees them: each prepared claim's ``status.devices``
+(KEP-4817). The API server stand-in over real HTTP, the kubelet stand-in's DRA side over real unix
+sockets, the fake sysfs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.dra import device_name
+from tests.apiserver import ApiServer
+from tests.daemonrun import DaemonProcess
+from tests.fakesysfs import FakeHost
+from tests.kubelet import FakeKubelet
+from tests.seam import Seam, create_vfs
+from tests.test_dra_daemon import DRIVER, NODE, POOL, TOKEN, add_kvm, claim, config, dra_daemon, names, wait_published
+
+NET_POOL = f"{NODE}/intel.com/sriov-net"
+MAC = "3c:fd:fe:a0:0b:07"
+
+
+@pytest.fixture
+def api() -> Iterator[ApiServer]:
+    with ApiServer(token=TOKEN) as server:
+        server.add_node(NODE)
+        yield server
+    assert server.internal_errors == []
+
+
+@pytest.fixture
+def dra_kubelet(short_tmp: Path) -> Iterator[FakeKubelet]:
+    stand_in = FakeKubelet(short_tmp / "device-plugins", short_tmp / "plugins_registry")
+    stand_in.start()
+    yield stand_in
+    stand_in.close()
+
+
+@pytest.fixture
+def start_dra(run_daemon: Callable[..., DaemonProcess], seam: Seam, api: ApiServer, host: FakeHost,
+              short_tmp: Path) -> Callable[..., DaemonProcess]:
+    add_kvm(host)
+
+    def start(pools: dict[str, Any] | None = None) -> DaemonProcess:
+        kubeconfig = api.kubeconfig(short_tmp / "kubeconfig")
+        return dra_daemon(run_daemon, seam, short_tmp, pools or config(), "--kubeconfig", str(kubeconfig))
+    return start
+
+
+def with_net_pool() -> dict[str, Any]:
+    """The VFs on vfio-pci (sriov_vfs), and those on iavf, with their netdevs (sriov_net)."""
+    document = config()
+    document["resourceList"].append({"resourceName": "sriov_net", "allocationApi": "dra",
+                                     "selectors": {"drivers": ["iavf"]}})
+    return document
+
+
+def status_devices(api: ApiServer, name: str) -> list[dict[str, Any]]:
+    devices: list[dict[str, Any]] = api.claim("default", name)["status"].get("devices", [])
+    return devices
+
+
+def test_a_prepared_claim_lists_its_devices_in_its_status_until_unprepared(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    vfio = create_vfs(host, None, 0, 1)
+    (net,) = create_vfs(host, None, 1, 1, driver="iavf")
+    host.add_netdev(net, "ens1f0v1")
+    (host.sys / "class" / "net" / "ens1f0v1" / "address").write_text(f"{MAC}\n")
+    start_dra(with_net_pool())
+    wait_published(api, names(net), pool=NET_POOL)
+    dra_kubelet.wait_for_dra(DRIVER)
+    other = {"request": "gpu", "driver": "gpu.example.com", "pool": "gpus", "device": "gpu-0"}
+    results = [other, {"request": "nic/fast", "driver": DRIVER, "pool": NET_POOL, "device": device_name(net)},
+               {"request": "dpdk", "driver": DRIVER, "pool": POOL, "device": device_name(vfio[0])}]
+    ref = ("default", api.put_claim("default", "vfs", results=results), "vfs")
+    theirs = {"driver": "gpu.example.com", "pool": "gpus", "device": "gpu-0", "data": {"uuid": "GPU-1"}}
+    api.write_claim_status("default", "vfs", [theirs])
+    assert dra_kubelet.prepare([ref])[ref[1]].devices
+    ours = [{"driver": DRIVER, "pool": NET_POOL, "device": device_name(net),
+             "networkData": {"interfaceName": "ens1f0v1", "hardwareAddress": MAC}},
+            {"driver": DRIVER, "pool": POOL, "device": device_name(vfio[0])}]
+    api.wait_until(lambda: status_devices(api, "vfs") == [theirs, *ours], 10, "our entries beside theirs")
+    dra_kubelet.unprepare([ref])
+    api.wait_until(lambda: status_devices(api, "vfs") == [theirs], 10, "only theirs left")
+
+
+def test_status_writes_failing_never_fail_prepare_and_are_retried(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    vfs = create_vfs(host, None, 0, 1)
+    daemon = start_dra()
+    wait_published(api, names(*vfs))
+    dra_kubelet.wait_for_dra(DRIVER)
+    api.fail_next("PUT", "/resourceclaims/vf/status$", 403, count=2,
+                  message='resourceclaims.resource.k8s.io "vf" is forbidden: User "node1" cannot update resource '
+                          '"resourceclaims/driver" with verb "associated-node:update"')
+    ref = claim(api, "vf", vfs[0])
+    answer = dra_kubelet.prepare([ref])[ref[1]]
+    assert answer.error == "" and answer.devices
+    api.wait_until(lambda: status_devices(api, "vf") == [{"driver": DRIVER, "pool": POOL,
+                                                          "device": device_name(vfs[0])}], 10, "the status written")
+    warnings = [line for line in daemon.log.splitlines() if " WARNING " in line and "status.devices" in line]
+    assert len(warnings) == 1  # one line for the two failures (the second at debug level)
+    assert "associated-node:update" in daemon.log
