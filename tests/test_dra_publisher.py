@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from daemon.core import CARRIER_LOST, UNHEALTHY, DeviceInfo, Fault, ResourcePool
+from daemon.core._handler import Hooks
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import _publisher
 from daemon.dra._kube import ApiLink, Kube
@@ -146,8 +147,8 @@ class Running:
 
 
 @asynccontextmanager
-async def publishing(kubeconfig: Path, *, node: str = NODE,
-                     connect: Callable[[Settings], Kube] | None = None) -> AsyncIterator[Running]:
+async def publishing(kubeconfig: Path, *, node: str = NODE, connect: Callable[[Settings], Kube] | None = None,
+                     hooks: Mapping[str, Hooks] | None = None) -> AsyncIterator[Running]:
     """A SlicePublisher for ``node`` running until the block ends (then cancelled, as at SIGTERM)."""
     settings = Settings(kubeconfig=kubeconfig, node_name=node, dra_driver=DRIVER)
     link = ApiLink(settings, connect)
@@ -162,7 +163,7 @@ async def publishing(kubeconfig: Path, *, node: str = NODE,
         told.append(resources)
 
     publisher = SlicePublisher(settings, link, metrics, on_server=lambda on_server: pools[0].on_server(on_server))
-    pools.append(DraPools(DRIVER, node, {}, publisher, withheld))
+    pools.append(DraPools(DRIVER, node, hooks or {}, publisher, withheld))
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publisher.run)
@@ -885,5 +886,62 @@ async def test_a_server_that_drops_taints_gets_the_unhealthy_device_left_out_and
         assert await wait_published(api, "things", [i for i in every if i not in ("d00042", "d00043")]) == 1
         await running.settle(tree(pool("things", every, unhealthy_taint="NoSchedule")))
         assert await wait_published(api, "things", every) == 1
-    (line,) = logged(caplog, "dropped the device taints", logging.ERROR)
-    assert pool_name("things") in line and "DRADeviceTaints" in line
+    (line,) = logged(caplog, "dropped fields", logging.ERROR)
+    assert pool_name("things") in line and "DRADeviceTaints" in line and "unhealthy devices are left out" in line
+
+
+# -- shared devices (consumable capacity) ----------------------------------------------------------
+SHARING = "DRAConsumableCapacity"
+
+
+class Shares:
+    """A handler whose pool ``things`` is one device, ``kvm``, offered three times (``kvm-0`` ...)."""
+
+    name = "test"
+
+    def shares(self, pool: ResourcePool) -> Mapping[str, Sequence[str]]:
+        return {"kvm": sorted(pool.devices)}
+
+
+def shared_hooks() -> dict[str, Hooks]:
+    return {trees.TEST_HANDLER: Hooks(handler=Shares(), sharer=Shares())}  # type: ignore[arg-type]
+
+
+async def test_the_shares_of_a_device_are_one_device_many_claims_may_hold(tmp_path: Path) -> None:
+    with ApiServer(token=TOKEN, feature_gates={SHARING, TAINTS}) as api:
+        api.add_node(NODE, uid=NODE_UID)
+        async with publishing(api.kubeconfig(tmp_path / "kubeconfig"), hooks=shared_hooks()) as running:
+            await running.settle(tree(pool("things", ["kvm-0", "kvm-1", "kvm-2"], unhealthy_taint="NoSchedule")))
+            (device,) = [d for s in slices_of(api, "things") for d in s["spec"]["devices"]]
+            assert device["name"] == "kvm" and device["attributes"]["id"] == {"string": "kvm"}
+            assert device["allowMultipleAllocations"] is True
+            assert device["capacity"] == {"shares": {"value": "3", "requestPolicy": {
+                "default": "1", "validRange": {"min": "1", "step": "1"}}}}
+            # a share under a host lease is not the scheduler's to give: two left
+            await running.settle(tree(pool("things", ["kvm-0", "kvm-1", "kvm-2"], leased=["kvm-1"],
+                                           unhealthy_taint="NoSchedule")))
+            (device,) = [d for s in slices_of(api, "things") for d in s["spec"]["devices"]]
+            assert device["capacity"]["shares"]["value"] == "2"
+            # the node's health is every share's: the one device is tainted
+            await running.settle(tree(pool("things", sick(["kvm-0", "kvm-1", "kvm-2"], dict.fromkeys(
+                ["kvm-0", "kvm-1", "kvm-2"], LOST)), unhealthy_taint="NoSchedule")))
+            (device,) = [d for s in slices_of(api, "things") for d in s["spec"]["devices"]]
+            assert [t["key"] for t in device["taints"]] == [f"{DRIVER}/carrier-lost"]
+            assert device["capacity"]["shares"]["value"] == "3"
+        assert [r for r in api.requests if r.status >= 400] == []
+        assert api.internal_errors == []
+
+
+async def test_a_server_that_drops_consumable_capacity_gets_the_shares_as_devices_and_one_error_line(
+    api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with publishing(kubeconfig, hooks=shared_hooks()) as running:
+        await running.settle(tree(pool("things", ["kvm-0", "kvm-1", "kvm-2"])))
+        # the fields are gone on the server: one device with a capacity and no sharing would be
+        # one claim's; three devices are three claims', as before consumable capacity
+        assert await wait_published(api, "things", ["kvm-0", "kvm-1", "kvm-2"]) == 1
+        assert not any("capacity" in d for s in slices_of(api, "things") for d in s["spec"]["devices"])
+        await running.settle(tree(pool("things", ["kvm-0", "kvm-1"])))
+        assert await wait_published(api, "things", ["kvm-0", "kvm-1"]) == 1
+    (line,) = logged(caplog, "dropped fields", logging.ERROR)
+    assert pool_name("things") in line and SHARING in line and "device of its own" in line

@@ -163,6 +163,17 @@ class DeviceDescriber(Protocol):
 
 
 @runtime_checkable
+class DeviceSharer(Protocol):
+    """Devices of a pool that are shares of one device (a devNode pool's ``count`` copies of
+    one node): through DRA they are published as that one device, which many claims may hold
+    at once, a share each (KEP-5075 consumable capacity)."""
+
+    def shares(self, pool: ResourcePool) -> Mapping[str, Sequence[str]]:
+        """The shared device's ID -> the IDs of its shares in the pool, in order (none: no sharing)."""
+        ...
+
+
+@runtime_checkable
 class ContainerPreStarter(Protocol):
     def pre_start_container(self, pool: ResourcePool, device_ids: Sequence[str]) -> None: ...
 
@@ -218,6 +229,7 @@ class Hooks:
     pre_starter: ContainerPreStarter | None = None
     describer: DeviceDescriber | None = None
     releaser: SideFileReleaser | None = None
+    sharer: DeviceSharer | None = None
 
     @classmethod
     def of(cls, handler: AnyHandler) -> Hooks:
@@ -229,6 +241,7 @@ class Hooks:
             pre_starter=handler if isinstance(handler, ContainerPreStarter) else None,
             describer=handler if isinstance(handler, DeviceDescriber) else None,
             releaser=handler if isinstance(handler, SideFileReleaser) else None,
+            sharer=handler if isinstance(handler, DeviceSharer) else None,
         )
 
     @property

@@ -60,14 +60,19 @@ class DraPools:
                 effect: str | None = pool.pool_config.entry.unhealthy_taint
                 if effect == OMIT_UNHEALTHY:
                     effect = None
+                describer = hooks.describer if hooks is not None else None
+                shares = hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
                 devices: list[JsonObject] = slice_devices(
-                    pool, self._driver, hooks.describer if hooks is not None else None,
-                    taint_effect=effect, seen=self._seen_problems, memo=memo)
-                if cached is not None and cached[1].devices == devices:
+                    pool, self._driver, describer, taint_effect=effect, shares=shares, seen=self._seen_problems,
+                    memo=memo)
+                # for a server that drops consumable capacity: the shares as devices of their own
+                unshared = slice_devices(pool, self._driver, describer, taint_effect=effect,
+                                         seen=self._seen_problems) if shares else None
+                if cached is not None and cached[1].devices == devices and cached[1].unshared == unshared:
                     pool_wanted = cached[1]  # the same devices: the same wanted pool, written or not
                 else:
                     pool_wanted = WantedPool(resource, devices, tree.arrival, MAX_DEVICES_PER_SLICE if effect is None
-                                             else MAX_TAINTED_DEVICES_PER_SLICE)
+                                             and not shares else MAX_TAINTED_DEVICES_PER_SLICE, unshared)
             kept[resource] = (pool, pool_wanted, memo)
             wanted[pool_name(self._node, resource)] = pool_wanted
         self._pools = kept

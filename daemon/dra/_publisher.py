@@ -36,7 +36,7 @@ from daemon.supervise import Backoff
 
 from ._kube import ApiLink, Conflict, Invalid, Kube, KubeError, NotFound
 from ._slices import MAX_DEVICES_PER_SLICE, slice_bodies, slice_body, slice_updates
-from ._taints import TaintTimes, dropped_taints
+from ._taints import TaintTimes
 from ._view import Complaints, JsonObject, SliceView, slice_index
 
 log = logging.getLogger("devplugd.dra")
@@ -46,17 +46,38 @@ CONFLICT_RETRIES = 5
 PARALLEL_WRITES = 8  # slice writes of one pool in flight at once
 
 
+TAINTS_GATE, SHARING_GATE = "DRADeviceTaints", "DRAConsumableCapacity"
+
+
+def dropped_gates(sent: Sequence[Mapping[str, Any]], answered: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The feature gates whose fields our write had and the server's answer lacks (the gate is
+    off there: the write succeeds, the fields are gone, as upstream's dropDisabledFields does)."""
+    kept = {device.get("name"): device for device in answered}
+    gates: set[str] = set()
+    for device in sent:
+        if device.get("taints") or device.get("allowMultipleAllocations"):
+            there = kept.get(device["name"]) or {}
+            if device.get("taints") and not there.get("taints"):
+                gates.add(TAINTS_GATE)
+            if device.get("allowMultipleAllocations") and not there.get("allowMultipleAllocations"):
+                gates.add(SHARING_GATE)
+    return gates
+
+
 @dataclass(frozen=True)
 class WantedPool:
     """What one pool should publish: its resource, its devices (``devices[]`` entries), when
-    the oldest event that changed them reached the event loop (``None``: none did), and how many
-    devices a slice of it holds (64 for a pool that may carry taints: the server's cap for a
-    slice with any taint, so a taint never needs a new slice)."""
+    the oldest event that changed them reached the event loop (``None``: none did), how many
+    devices a slice of it holds (64 for a pool that may carry taints or shared devices: the
+    server's cap for a slice with either, so a taint never needs a new slice), and, for a pool
+    with shared devices, its devices with each share a device of its own (``unshared``: for a
+    server that drops consumable capacity)."""
 
     resource: str
     devices: list[JsonObject]
     arrival: float | None = None
     max_devices: int = MAX_DEVICES_PER_SLICE
+    unshared: list[JsonObject] | None = None
 
 
 class _Written:
@@ -110,6 +131,7 @@ class SlicePublisher:
         self._writers = trio.CapacityLimiter(PARALLEL_WRITES)
         self._taint_times = TaintTimes()
         self._no_taints: set[str] = set()  # pools whose taints the server dropped: unhealthy devices left out
+        self._no_sharing: set[str] = set()  # pools whose shared devices the server dropped: shares published
         self._taint_causes: dict[str, set[str]] = {}  # resource -> the causes its taint gauge has
 
     def update(self, wanted: Mapping[str, WantedPool], elsewhere: frozenset[str] = frozenset()) -> None:
@@ -191,6 +213,8 @@ class SlicePublisher:
             del self._rejected[gone]
         for pool, pool_wanted in wanted.items():
             devices = pool_wanted.devices
+            if pool in self._no_sharing and pool_wanted.unshared is not None:
+                devices = pool_wanted.unshared
             if pool in self._no_taints:
                 devices = [device for device in devices if "taints" not in device]
             devices, causes = self._taint_times.stamp(pool, devices, functools.partial(self._server_devices, pool))
@@ -329,24 +353,31 @@ class SlicePublisher:
         log.info("DRA: pool %s generation %d: %d devices in %d slices (%d written%s)", pool, generation,
                  len(devices), count, len(writes), ", in place" if updates is not None else "",
                  extra={"EVENT": "dra", "DRA_POOL": pool})
-        if dropped and pool not in self._no_taints:
-            self._no_taints.add(pool)
-            log.error("DRA: the API server dropped the device taints of pool %s (its feature gate DRADeviceTaints "
-                      "is off: Kubernetes 1.35 or older by default); unhealthy devices are left out of its "
-                      "ResourceSlices instead until devplugd restarts", pool, extra={"EVENT": "dra", "DRA_POOL": pool})
+        fallen_back = False
+        for gate, fallen, instead in ((TAINTS_GATE, self._no_taints, "unhealthy devices are left out of its "
+                                       "ResourceSlices"),
+                                      (SHARING_GATE, self._no_sharing, "each share of a shared device is "
+                                       "published as a device of its own")):
+            if gate in dropped and pool not in fallen:
+                fallen.add(pool)
+                fallen_back = True
+                log.error("DRA: the API server dropped fields of pool %s that its feature gate %s keeps (it is off: "
+                          "Kubernetes 1.35 or older by default); %s instead until devplugd restarts", pool, gate,
+                          instead, extra={"EVENT": "dra", "DRA_POOL": pool})
+        if fallen_back:
             self._wake()
             return False
         return True
 
     async def _write_slices(self, kube: Kube, writes: list[tuple[JsonObject, JsonObject | None]],
-                            ) -> tuple[list[tuple[str, str]], bool]:
+                            ) -> tuple[list[tuple[str, str]], set[str]]:
         """Each body into its slice (``None``: a new one), all at once (each its own request: 8
         slices take one PUT's time); the name and resourceVersion of each slice written, in the
-        order of ``writes``, and whether the server dropped taints we sent. Raises the first
-        failure, a refusal (Invalid) before any other."""
+        order of ``writes``, and the feature gates whose fields the server dropped. Raises the
+        first failure, a refusal (Invalid) before any other."""
         written: list[tuple[str, str] | None] = [None] * len(writes)
         failures: list[KubeError] = []
-        dropped: list[bool] = []
+        dropped: set[str] = set()
 
         async def write(index: int, body: JsonObject, current: JsonObject | None) -> None:
             async with self._writers:
@@ -356,15 +387,14 @@ class SlicePublisher:
                     failures.append(error)
                     return
             written[index] = (answer["metadata"]["name"], str(answer["metadata"]["resourceVersion"]))
-            if dropped_taints(body["spec"]["devices"], answer["spec"].get("devices") or []):
-                dropped.append(True)
+            dropped.update(dropped_gates(body["spec"]["devices"], answer["spec"].get("devices") or []))
 
         async with trio.open_nursery() as nursery:
             for index, (body, current) in enumerate(writes):
                 nursery.start_soon(write, index, body, current)
         if failures:
             raise next((f for f in failures if isinstance(f, Invalid)), failures[0])
-        return [entry for entry in written if entry is not None], bool(dropped)
+        return [entry for entry in written if entry is not None], dropped
 
     async def _put_or_create(self, kube: Kube, body: JsonObject, current: JsonObject | None) -> JsonObject:
         for _ in range(CONFLICT_RETRIES):

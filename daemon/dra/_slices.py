@@ -35,6 +35,7 @@ MAX_STRING_LENGTH = 64  # DeviceAttributeMaxValueLength, in bytes (Go's len)
 MAX_ID_LENGTH = 32  # DeviceMaxIDLength: the name part of a QualifiedName
 MAX_DOMAIN_LENGTH = 63  # DeviceMaxDomainLength: its domain
 STANDARD_NUMA_NODE = "resource.kubernetes.io/numaNode"  # KEP-6072: an int, left out when sysfs says -1
+SHARES = "shares"  # the capacity of a shared device: how many claims may hold it at once
 INT64 = range(-(2**63), 2**63)
 # The API server makes a generated name from at most 58 characters of generateName and 5 random
 # ones (k8s.io/apiserver names.SimpleNameGenerator): we cut generateName there ourselves.
@@ -122,6 +123,7 @@ def slice_devices(
     describer: DeviceDescriber | None,
     *,
     taint_effect: str | None = None,
+    shares: Mapping[str, Sequence[str]] | None = None,
     seen: MutableSet[str] | None = None,
     memo: Memo | None = None,
 ) -> list[dict[str, Any]]:
@@ -136,6 +138,11 @@ def slice_devices(
     With ``taint_effect`` (``NoSchedule``, ``NoExecute`` or ``None``), an Unhealthy or vanished
     device that nothing else holds is published too, with one taint (``device_taint``) naming
     why; without it (the pool says ``omit``, or the API server drops taints) it is left out.
+
+    ``shares`` (the handler's ``DeviceSharer``: a shared device's ID -> its shares' IDs) makes
+    the shares one device, named after the shared ID, with ``allowMultipleAllocations`` and a
+    capacity ``shares`` of as many as the rule offers (a claim takes one by default), where the
+    first share would have been listed; left out when the rule offers none.
 
     Attributes: ``id`` (the device-plugin ID), ``resourceName`` (the pool's resource),
     ``numaNode`` and the standard ``resource.kubernetes.io/numaNode`` (KEP-6072, the name other
@@ -164,7 +171,12 @@ def slice_devices(
     known = memo.entries if memo is not None else {}
     same_context = memo is not None and memo.context == context
     remembered: dict[str, tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any] | None]] = {}
+    share_of = {share: shared for shared, ids in (shares or {}).items() for share in ids}
+    shared_at: dict[str, int] = {}  # a shared device -> where in ``devices`` it goes
     for device_id, info in sorted(pool.devices.items()):
+        if (shared := share_of.get(device_id)) is not None:
+            shared_at.setdefault(shared, len(devices))
+            continue
         cached = known.get(device_id)
         entry: dict[str, Any] | None
         if same_context and cached is not None and cached[0] is info:
@@ -193,10 +205,50 @@ def slice_devices(
             continue
         names[name] = device_id
         devices.append(entry)
+    for shared, index in sorted(shared_at.items(), key=lambda item: -item[1]):  # from the end: indexes hold
+        entry = _shared_entry(pool, shared, (shares or {})[shared], taint_effect, driver, describer, problems)
+        if entry is None:
+            continue
+        if (name := entry["name"]) in names:
+            problems.report(shared, f"device {shared} left out of its ResourceSlice: its name {name!r} "
+                                    f"is the name of device {names[name]} already")
+            continue
+        devices.insert(index, entry)
     if memo is not None:
         memo.context = context
         memo.entries = remembered
     return devices
+
+
+def _shared_entry(pool: ResourcePool, shared: str, share_ids: Sequence[str], taint_effect: str | None, driver: str,
+                  describer: DeviceDescriber | None, problems: _Problems) -> dict[str, Any] | None:
+    """The one entry of a shared device: its first share's, named and identified as the shared
+    device, with a capacity of the shares the rule offers (and those it would taint); ``None``
+    when it offers none."""
+    offered: list[str] = []
+    taint: tuple[Fault, str] | None = None
+    for share in share_ids:
+        refused = refusal(pool, share, SLICE_ASKS)
+        if refused is None:
+            offered.append(share)
+        elif (taint_effect is not None and refused.reason in (UNHEALTHY, VANISHED)
+              and holder_of(pool, share, SLICE_ASKS) is None):
+            offered.append(share)
+            taint = taint or (device_fault(pool, share, pool.devices[share]), taint_effect)
+    if not offered:
+        return None
+    entry = _entry(pool, offered[0], pool.devices[offered[0]], taint, driver, describer, problems)
+    entry["name"] = device_name(shared)
+    entry["attributes"]["id"] = {"string": shared}
+    if len(entry["attributes"]) >= MAX_ATTRIBUTES:  # attributes and capacities: 32 in all
+        dropped = list(entry["attributes"])[-1]
+        problems.drop(shared, dropped, f"a shared device has at most {MAX_ATTRIBUTES - 1} attributes")
+        del entry["attributes"][dropped]
+    entry["allowMultipleAllocations"] = True
+    # a claim that asks for no capacity takes one share; more in steps of one
+    policy = {"default": "1", "validRange": {"min": "1", "step": "1"}}
+    entry["capacity"] = {SHARES: {"value": str(len(offered)), "requestPolicy": policy}}
+    return entry
 
 
 def _entry(pool: ResourcePool, device_id: str, info: DeviceInfo, taint: tuple[Fault, str] | None, driver: str,

@@ -1,5 +1,5 @@
-"""Device taints on their way to the API server: when each was added, how many there are by
-cause, and whether the server kept them.
+"""Device taints on their way to the API server: when each was added, and how many there are
+by cause.
 
 ``slice_devices`` says which taint a device carries; the publisher puts them on the server with
 ``TaintTimes``, which gives each taint its ``timeAdded``: the one the same taint (key, value,
@@ -7,16 +7,13 @@ effect) has on the server or had in our last write, else now in whole seconds (t
 seconds; a finer time would be a change at every write). A taint published again keeps its time,
 so a republish is no change and the tolerations' ``tolerationSeconds`` do not start again (the
 Go helper's ``copyTaintTimeAdded``).
-
-A server whose ``DRADeviceTaints`` gate is off (1.35 by default) takes the write and drops the
-taints without a word: ``dropped_taints`` compares what we sent with what it answered.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 JsonObject = dict[str, Any]
@@ -91,12 +88,3 @@ class TaintTimes:
 
     def forget(self, pool: str) -> None:
         self._sent.pop(pool, None)
-
-
-def dropped_taints(sent: Sequence[Mapping[str, Any]], answered: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether the server's answer lacks taints our write had (its ``DRADeviceTaints`` gate is off)."""
-    tainted = {device["name"] for device in sent if device.get("taints")}
-    if not tainted:
-        return False
-    kept = {device.get("name") for device in answered if device.get("taints")}
-    return bool(tainted - kept)

@@ -45,7 +45,7 @@ from daemon.handlers.devnode._nodes import NodeRecord, read_record, scan_records
 from daemon.handlers.devnode._selectors import NodeSelector, parse_selector, path_matches
 
 if TYPE_CHECKING:
-    from daemon.core import DeviceDescriber, Explainer, Handler
+    from daemon.core import DeviceDescriber, DeviceSharer, Explainer, Handler
 
 log = logging.getLogger("devplugd.devnode")
 
@@ -212,6 +212,18 @@ class DevNodeHandler:
         return why_pool_empty(facts, pools, resource)
 
     # DeviceDescriber: a DRA device says which node it puts in the container.
+    def shares(self, pool: ResourcePool) -> Mapping[str, Sequence[str]]:
+        """With ``count`` > 1, each node's ``count`` device IDs are shares of the node (its base
+        ID, ``net_tun`` for ``net_tun-0`` ...); through DRA the node is one device."""
+        spec: DevNodePoolSpec = pool.pool_config.spec
+        if spec.count == 1:
+            return {}
+        groups: dict[str, list[str]] = {}
+        for device_id, info in pool.devices.items():
+            record: NodeRecord = info.details
+            groups.setdefault(device_ids(record, 1)[0], []).append(device_id)
+        return {base: sorted(ids, key=lambda i: int(i.rpartition("-")[2])) for base, ids in groups.items()}
+
     def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]:
         """``path``: the device node's path inside the container (``/dev/net/tun``)."""
         specs = pool.devices[device_id].specs
@@ -222,4 +234,5 @@ if TYPE_CHECKING:
     # mypy checks here that DevNodeHandler keeps the handler contract and the hooks it opts into.
     _handler: type[Handler[Mapping[str, NodeRecord], DevNodePoolSpec]] = DevNodeHandler
     _describer: type[DeviceDescriber] = DevNodeHandler
+    _sharer: type[DeviceSharer] = DevNodeHandler
     _explainer: type[Explainer] = DevNodeHandler
