@@ -10,6 +10,12 @@ host API, start the event loop and the sources (inotify, uevents, rtnetlink), pu
 endpoint ends its streams, stops its server and removes its socket, and the handlers clean
 their side files.
 
+Before any of it touches what the node shares (the books, sockets, files, the metrics port),
+the instance takes the state directory's lock (``holdings/_active.py``): a new pod of a rolling
+update asks the active one to hand over and waits for the lock. The one asked stops writing
+(``_stop_writing``), ends its active part, frees the port and the lock, and stays passive (its
+DRA registration kept, refusing calls) until SIGTERM, leaving every shared file to the new one.
+
 One uevent, from the kernel to the kubelet: ``sources/uevents.py`` puts it on the bus →
 ``loop.py`` batches it and routes it to a handler, whose fold reads the device again and patches
 its pools → ``holdings/_assemble.py`` builds the next tree with who holds what →
@@ -25,7 +31,7 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -43,7 +49,7 @@ from daemon.core._notifier import Notifier
 from daemon.core._registry import HandlerLoadError, load_handlers, parser_table
 from daemon.deviceplugin import Endpoints, directory_problem
 from daemon.dra import ClaimBook, DraDriver
-from daemon.holdings import Holdings
+from daemon.holdings import Handover, Holdings, StateLock, WriteGate, become_active, instance_name
 from daemon.host import Granter, HostServicer, LeaseBook, serve_control_socket
 from daemon.loop import EventLoop
 from daemon.metrics import Metrics, MetricsServer, without_created_series
@@ -64,6 +70,7 @@ EXIT_FAILURE = 1
 BUS_CAPACITY = 1024
 KUBELET_EVENTS_CAPACITY = 64
 REGISTRATION_WAIT = 10.0
+DRAIN_TIMEOUT = 10.0  # a handover waits this long at most for the grants and prepares in flight
 
 
 def handler_context(settings: Settings, host_changes: HostChanges | None = None) -> HandlerContext:
@@ -117,19 +124,35 @@ def run(settings: Settings) -> int:
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)
     log.info("config %s: %d pools", config.source, len(config.pools))
-    without_created_series()
-    checkpoint = CheckpointReader(settings.device_plugin_dir)
-    metrics = Metrics(checkpoint, standard=True)
+    lock = StateLock(settings.state_dir, instance_name(settings.pod_uid))
     try:
-        metrics_server = _serve_metrics(settings, metrics)
-    except OSError as error:
-        log.error("--metrics-address %s: cannot serve metrics there: %s", _address(settings.metrics_address), error)
-        return EXIT_BAD_CONFIG
-    try:
-        trio.run(_serve, settings, handlers, config, host_changes, metrics, checkpoint)
+        # the state directory's one writer: nothing shared (books, sockets, files, the metrics
+        # port) is touched before the lock is ours
+        if not trio.run(become_active, lock, settings.control_socket, settings.pod_uid is not None):
+            return EXIT_OK
+        without_created_series()
+        checkpoint = CheckpointReader(settings.device_plugin_dir)
+        metrics = Metrics(checkpoint, standard=True)
+        try:
+            metrics_server = _serve_metrics(settings, metrics)
+        except OSError as error:
+            log.error("--metrics-address %s: cannot serve metrics there: %s", _address(settings.metrics_address),
+                      error)
+            return EXIT_BAD_CONFIG
+        served = [metrics_server] if metrics_server is not None else []
+
+        def hand_over_shared() -> None:
+            """What the next instance must have once this one hands over: the metrics port, the lock."""
+            while served:
+                served.pop().close()
+            lock.release()
+
+        try:
+            trio.run(_serve, settings, handlers, config, host_changes, metrics, checkpoint, hand_over_shared)
+        finally:
+            hand_over_shared()
     finally:
-        if metrics_server is not None:
-            metrics_server.close()
+        lock.release()
     return EXIT_OK
 
 
@@ -176,7 +199,7 @@ def uevent_subsystems(handlers: Mapping[str, AnyHandler]) -> frozenset[str]:
 
 async def _serve(
     settings: Settings, handlers: dict[str, AnyHandler], config: DaemonConfig, host_changes: HostChanges,
-    metrics: Metrics, checkpoint: CheckpointReader,
+    metrics: Metrics, checkpoint: CheckpointReader, hand_over_shared: Callable[[], None],
 ) -> None:
     service = ServiceManager()
     leases = LeaseBook(settings.state_dir)
@@ -199,11 +222,18 @@ async def _serve(
         notifier.subscribe(metrics.tree)
         tell_lifecycle(handlers, config.pools, started=True)
         loop: EventLoop | None = None
+        handover = Handover(settings.state_dir)
+        host_gate = WriteGate()
+        stop = trio.Event()
+        passive = False
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(service.keep_watchdog_fed, os.environ)
-                nursery.start_soon(metrics.liveness.keep_beating)
+            async with trio.open_nursery() as outer:  # the process's life; the active part inside it
+                outer.start_soon(service.keep_watchdog_fed, os.environ)
+                outer.start_soon(metrics.liveness.keep_beating)
                 send_channel, receive_channel = trio.open_memory_channel[Event](BUS_CAPACITY)
+                outer.start_soon(_serve_signals, send_channel, stop, handover)
+                active: tuple[trio.Nursery, trio.Event] = await outer.start(_active_part)
+                nursery, active_part_ended = active
                 kubelet_send, kubelet_receive = trio.open_memory_channel[Event](KUBELET_EVENTS_CAPACITY)
                 inbox = Inbox(send_channel.clone())
                 nursery.start_soon(inbox.run)
@@ -231,20 +261,75 @@ async def _serve(
                 explaining = Explaining(handlers, lambda: event_loop.config, event_loop.facts_of)
                 host_api = HostServicer(notifier, Granter(notifier, handlers, leases, holdings, explaining.why_empty),
                                         leases, holdings, {"leases": leases.book, "claims": claims.book}, metrics,
-                                        explaining)
+                                        explaining, host_gate)
                 await nursery.start(serve_control_socket, settings.control_socket, settings.control_group, host_api)
                 await _start_sources(nursery, settings, handlers, inotify, send_channel, kubelet_send)
                 # Sources listen before the first scan, so nothing that happens during it is lost.
                 await send_channel.send(Resync(None, "start"))
                 nursery.start_soon(_announce_ready, loop, endpoints, settings, service)
-                await _serve_signals(send_channel)
-                log.info("stopping")
-                service.stopping()
+                outer.start_soon(handover.serve)  # a new pod of a rolling update may ask from now on
+                await _first(stop.wait, handover.requested.wait)
+                passive = not stop.is_set()
+                if passive:
+                    await _stop_writing(handover, host_gate, dra)
+                else:
+                    log.info("stopping")
+                    service.stopping()
                 nursery.cancel_scope.cancel()
+                await active_part_ended.wait()
+                if passive:
+                    hand_over_shared()  # the metrics port and the lock, once nothing of ours writes
+                    handover.answer = {"handed_over": True, "message": f"{instance_name(settings.pod_uid)} is passive"}
+                    handover.done.set()
+                    log.info("handed over to %s: passive, the DRA registration kept until SIGTERM",
+                             handover.requester, extra={"EVENT": "handed-over"})
+                    service.status(f"passive: handed over to {handover.requester}")
+                    await stop.wait()
+                    log.info("stopping")
+                    service.stopping()
+                    if dra.sockets is not None:
+                        await dra.sockets.stop_passive()
+                outer.cancel_scope.cancel()
         finally:
-            tell_lifecycle(handlers, (loop.config if loop is not None else config).pools, started=False)
-            cdi.remove_all()
+            if not passive:  # the next instance's files now: a passive one leaves them
+                tell_lifecycle(handlers, (loop.config if loop is not None else config).pools, started=False)
+                cdi.remove_all()
     log.info("stopped")
+
+
+async def _active_part(task_status: trio.TaskStatus[tuple[trio.Nursery, trio.Event]]) -> None:
+    """A nursery for the active part of the daemon, which a handover ends (its event set once
+    everything in it has ended) while the process goes on."""
+    ended = trio.Event()
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started((nursery, ended))
+            await trio.sleep_forever()
+    finally:
+        ended.set()
+
+
+async def _first(*waits: Callable[[], Awaitable[object]]) -> None:
+    """Until the first of ``waits`` returns."""
+    async with trio.open_nursery() as nursery:
+        for wait in waits:
+            async def until(wait: Callable[[], Awaitable[object]] = wait) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(until)
+
+
+async def _stop_writing(handover: Handover, host_gate: WriteGate, dra: DraDriver) -> None:
+    """A new pod asked for the state: no more grants or book writes here (the calls in flight
+    end first), and the DRA sockets stay, passive, when the active part goes."""
+    log.info("handing over to %s", handover.requester, extra={"EVENT": "handing-over"})
+    reason = (f"this devplugd has handed over to {handover.requester}: try again (the kubelet's next call "
+              f"goes to its newest registration, the control socket is the new one's)")
+    drained = await host_gate.close(reason, DRAIN_TIMEOUT)
+    if dra.sockets is not None:
+        drained = await dra.sockets.go_passive(reason) and drained
+    if not drained:
+        log.warning("calls still in flight after %.0f s: handing over all the same", DRAIN_TIMEOUT)
 
 
 async def _announce_ready(loop: EventLoop, endpoints: Endpoints, settings: Settings, service: ServiceManager) -> None:
@@ -290,12 +375,17 @@ async def _start_sources(
         await nursery.start(LinkSource().run, send_channel.clone())
 
 
-async def _serve_signals(send_channel: trio.MemorySendChannel[Event]) -> None:
-    """SIGHUP reloads the config; return on SIGTERM or SIGINT."""
+async def _serve_signals(send_channel: trio.MemorySendChannel[Event], stop: trio.Event, handover: Handover) -> None:
+    """SIGHUP reloads the config (not once handing over: nothing is served to reload); SIGTERM or
+    SIGINT sets ``stop``."""
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             if signum == signal.SIGHUP:
-                await send_channel.send(ConfigChanged("SIGHUP"))
+                if handover.requested.is_set():
+                    log.info("received SIGHUP: passive, nothing to reload")
+                else:
+                    await send_channel.send(ConfigChanged("SIGHUP"))
                 continue
             log.info("received %s", signal.Signals(signum).name)
+            stop.set()
             return

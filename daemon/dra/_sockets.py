@@ -8,6 +8,14 @@
 * ``<plugins_registry_dir>/<driver>-reg.sock``: ``pluginregistration.Registration``, which the
   kubelet's plugin watcher finds; its GetInfo names dra.sock as the endpoint.
 
+With a pod UID (``--pod-uid``) both are named after it, as the Go helper names them for rolling
+updates (``daemon.settings``), so the old and the new pod are registered side by side. When this
+instance hands the state over to a new pod (``go_passive``), the calls in flight finish, later
+prepares and unprepares are refused as retryable (UNAVAILABLE: the kubelet's next try goes to the
+newest registration), health streams end and new ones stay silent (the kubelet keeps one health
+cache per driver, which a passive instance must not write), and both sockets stay served, by a
+passive instance that writes nothing, until ``stop_passive`` at the process's end.
+
 dra.sock is served first, then the registration socket: the kubelet dials the endpoint as soon as
 it registers us. When the kubelet removes one of them (it cleans its plugin directories when it
 restarts), ``socket_removed`` wakes the task and the missing socket is served again at once; a
@@ -20,6 +28,7 @@ backoff; nothing here ends the daemon.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -41,9 +50,10 @@ from daemon._generated.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from daemon.holdings import WriteGate, WritesClosed
 from daemon.registration import PluginRegistrationServicer
 from daemon.settings import Settings
-from daemon.sockets import remove_socket_file, socket_path_problem, start_unix_server
+from daemon.sockets import refuse, remove_socket_file, socket_path_problem, start_unix_server
 from daemon.supervise import Backoff
 
 from ._health import HealthServicer
@@ -55,6 +65,7 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 STOP_GRACE = 0.2
 PLUGIN_DIR_MODE = 0o750
+DRAIN_TIMEOUT = 10.0  # a handover waits this long at most for the prepares and unprepares in flight
 
 
 class _WireMessage(Protocol):
@@ -107,11 +118,66 @@ class V1beta1Adapter(dra_v1beta1_grpc.DRAPluginServicer):
         return convert(answer, dra_v1beta1.NodeUnprepareResourcesResponse)
 
 
+class GatedPlugin(dra_v1_grpc.DRAPluginServicer):
+    """The v1 servicer behind a ``WriteGate``: once it is closed (handed over), a call is refused
+    with UNAVAILABLE and the reason, which the kubelet retries (on the newest registration)."""
+
+    def __init__(self, v1: dra_v1_grpc.DRAPluginServicer, gate: WriteGate) -> None:
+        self._v1 = v1
+        self._gate = gate
+
+    async def NodePrepareResources(
+        self,
+        request: dra_v1.NodePrepareResourcesRequest,
+        context: grpc.aio.ServicerContext[dra_v1.NodePrepareResourcesRequest, dra_v1.NodePrepareResourcesResponse],
+    ) -> dra_v1.NodePrepareResourcesResponse:
+        try:
+            with self._gate.inside():
+                answer: dra_v1.NodePrepareResourcesResponse = await self._v1.NodePrepareResources(request, context)
+                return answer
+        except WritesClosed as closed:
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, str(closed))
+
+    async def NodeUnprepareResources(
+        self,
+        request: dra_v1.NodeUnprepareResourcesRequest,
+        context: grpc.aio.ServicerContext[dra_v1.NodeUnprepareResourcesRequest,
+                                          dra_v1.NodeUnprepareResourcesResponse],
+    ) -> dra_v1.NodeUnprepareResourcesResponse:
+        try:
+            with self._gate.inside():
+                answer: dra_v1.NodeUnprepareResourcesResponse = await self._v1.NodeUnprepareResources(request, context)
+                return answer
+        except WritesClosed as closed:
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, str(closed))
+
+
+class GatedHealth(health_grpc.DRAResourceHealthServicer):
+    """The health servicer while this instance is active; once it has handed over, a stream that
+    sends nothing and stays open until the server stops (an ended stream would clear the
+    kubelet's health cache of the driver, which the active instance fills, every 5 s)."""
+
+    def __init__(self, health: HealthServicer, gate: WriteGate) -> None:
+        self._health = health
+        self._gate = gate
+
+    async def NodeWatchResources(
+        self,
+        request: health_v1alpha1.NodeWatchResourcesRequest,
+        context: grpc.aio.ServicerContext[health_v1alpha1.NodeWatchResourcesRequest,
+                                          health_v1alpha1.NodeWatchResourcesResponse],
+    ) -> AsyncIterator[health_v1alpha1.NodeWatchResourcesResponse]:
+        if self._gate.closed is not None:
+            await asyncio.Event().wait()  # until the call is cancelled
+        async for message in self._health.NodeWatchResources(request, context):
+            yield message
+
+
 class HealthV1Adapter(health_v1_grpc.DRAResourceHealthServicer):
     """``DRAResourceHealth`` v1 (a 1.37 kubelet's choice) in front of the v1alpha1 servicer: the
     same messages under the other package name, so either name gets the same stream."""
 
-    def __init__(self, v1alpha1: HealthServicer) -> None:
+    def __init__(self, v1alpha1: health_grpc.DRAResourceHealthServicer) -> None:
         self._v1alpha1 = v1alpha1
 
     async def NodeWatchResources(
@@ -160,6 +226,7 @@ class DraSockets:
         self._plugin_served: _Served | None = None
         self._registration_served: _Served | None = None
         self._kick = trio.Event()
+        self.gate = WriteGate()  # closed when this instance hands over: passive from then on
 
     @property
     def serving(self) -> bool:
@@ -204,9 +271,29 @@ class DraSockets:
                 else:
                     await self._kick.wait()
         finally:
-            with trio.CancelScope(shield=True):
-                await self._stop_registration()
-                await self._stop_plugin()
+            if not self.passive:  # a passive instance's sockets stay until stop_passive
+                with trio.CancelScope(shield=True):
+                    await self._stop_registration()
+                    await self._stop_plugin()
+
+    @property
+    def passive(self) -> bool:
+        return self.gate.closed is not None
+
+    async def go_passive(self, reason: str) -> bool:
+        """This instance hands over: later calls refused with ``reason``, the calls in flight
+        waited for (whether they all ended), health streams ended; the sockets stay served when
+        ``run`` is cancelled, until ``stop_passive``."""
+        drained = await self.gate.close(reason, DRAIN_TIMEOUT)
+        self._health.close_streams()
+        log.info("DRA driver %s is passive: its sockets stay registered, calls are refused (%s)",
+                 self._driver, reason)
+        return drained
+
+    async def stop_passive(self) -> None:
+        """Stop the sockets a passive instance kept (removing only files that are still ours)."""
+        await self._stop_registration()
+        await self._stop_plugin()
 
     @staticmethod
     def _gone(served: _Served | None) -> bool:
@@ -229,10 +316,12 @@ class DraSockets:
             log.info("DRA driver %s waits for the kubelet on %s", self._driver, self.registration_socket)
 
     def _add_plugin_services(self, server: grpc.aio.Server) -> None:
-        dra_v1_grpc.add_DRAPluginServicer_to_server(self._plugin, server)
-        dra_v1beta1_grpc.add_DRAPluginServicer_to_server(V1beta1Adapter(self._plugin), server)
-        health_grpc.add_DRAResourceHealthServicer_to_server(self._health, server)
-        health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1Adapter(self._health), server)
+        plugin = GatedPlugin(self._plugin, self.gate)
+        health = GatedHealth(self._health, self.gate)
+        dra_v1_grpc.add_DRAPluginServicer_to_server(plugin, server)
+        dra_v1beta1_grpc.add_DRAPluginServicer_to_server(V1beta1Adapter(plugin), server)
+        health_grpc.add_DRAResourceHealthServicer_to_server(health, server)
+        health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1Adapter(health), server)
 
     def _add_registration(self, server: grpc.aio.Server) -> None:
         reg_grpc.add_RegistrationServicer_to_server(PluginRegistrationServicer(self._info, self._registration_status),

@@ -7,9 +7,21 @@ whichever road asks (the kubelet's device-plugin API, a DRA claim, a host lease)
 * ``Assembly``: the next DeviceTree from the previous one, the handlers' builds, the config and a
   ``HeldSnapshot`` of the holders, a pure function the event loop calls;
 * ``DurableBook``: the one durable book (leases and claims), with one policy for a file that
-  cannot be read.
+  cannot be read;
+* ``StateLock``, ``Handover``, ``WriteGate``: one instance writes the state directory at a time
+  (the old and the new pod of a rolling update share it), and hands it over on request.
 """
 
+from ._active import (
+    Handover,
+    StateLock,
+    WriteGate,
+    WritesClosed,
+    become_active,
+    instance_name,
+    request_handover,
+    serves,
+)
 from ._assemble import Assembly
 from ._book import DurableBook
 from ._holder import CLAIM, KUBELET, LEASE, Holder, LostBook
@@ -45,14 +57,22 @@ __all__ = [
     "VANISHED",
     "Assembly",
     "DurableBook",
+    "Handover",
     "Holder",
     "HolderLookup",
     "HoldingBook",
     "Holdings",
     "LostBook",
     "Refusal",
+    "StateLock",
+    "WriteGate",
+    "WritesClosed",
+    "become_active",
     "claim_asks",
     "holder_of",
+    "instance_name",
     "refusal",
+    "request_handover",
     "road_refusal",
+    "serves",
 ]

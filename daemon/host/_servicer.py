@@ -7,7 +7,9 @@ according to the kubelet's checkpoint, or a book that could not be read), from
 changed, each stamped with the tree version; its stream is a ``TreeStream``, so a slow client is
 conflated, never wrong, and never misses a device becoming Unhealthy. ``Allocate`` grants a lease
 (``_grant.py``) with the same answer a kubelet Allocate gets, written to disk before it is
-returned. ``ClearLost`` is the operator's word that a lost book's devices are free. ``Explain``
+returned. ``ClearLost`` is the operator's word that a lost book's devices are free. The three
+that write go through the daemon's ``WriteGate``: once it has handed the state over to a new pod,
+they are refused (UNAVAILABLE) rather than written over the new pod's books. ``Explain``
 says why a device is or is not in each pool (``_explain.py``). All of it
 runs on the event loop's one thread; the checkpoint is read in a worker thread, and only after
 it changed.
@@ -31,7 +33,7 @@ from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
 from daemon.core._explain import Explaining
 from daemon.core._notifier import Notifier, devices_scope
 from daemon.core._tree import DeviceTree
-from daemon.holdings import DurableBook, Holdings
+from daemon.holdings import DurableBook, Holdings, WriteGate, WritesClosed
 from daemon.metrics import HOST_WATCH, Metrics
 from daemon.sockets import refuse, remove_socket_file, start_unix_server
 
@@ -49,7 +51,8 @@ WATCH_SCOPE = devices_scope(lambda old, new: bool(new.diff(old).resources))  # a
 class HostServicer(host_grpc.HostServicer):
     def __init__(self, notifier: Notifier, granter: Granter, leases: LeaseBook, holdings: Holdings,
                  books: Mapping[str, DurableBook[Any]], metrics: Metrics | None = None,
-                 explaining: Explaining | None = None) -> None:
+                 explaining: Explaining | None = None, gate: WriteGate | None = None) -> None:
+        self._gate = gate or WriteGate()
         self._metrics = metrics or Metrics()
         self._explaining = explaining
         self._notifier = notifier
@@ -140,8 +143,12 @@ class HostServicer(host_grpc.HostServicer):
         self, request: host.AllocateRequest, context: grpc.aio.ServicerContext[host.AllocateRequest, host.Lease]
     ) -> host.Lease:
         try:
-            await self._read_checkpoint()
-            lease = await self._granter.grant(request, context)
+            with self._gate.inside():
+                await self._read_checkpoint()
+                lease = await self._granter.grant(request, context)
+        except WritesClosed as closed:
+            self._metrics.host_leases.labels("refused").inc()
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, str(closed))
         except Exception:
             self._metrics.host_leases.labels("refused").inc()
             raise
@@ -151,7 +158,11 @@ class HostServicer(host_grpc.HostServicer):
     async def Release(
         self, request: host.ReleaseRequest, context: grpc.aio.ServicerContext[host.ReleaseRequest, host.ReleaseResponse]
     ) -> host.ReleaseResponse:
-        await self._granter.release(request.lease, context)
+        try:
+            with self._gate.inside():
+                await self._granter.release(request.lease, context)
+        except WritesClosed as closed:
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, str(closed))
         self._metrics.host_leases.labels("released").inc()
         return host.ReleaseResponse()
 
@@ -164,6 +175,8 @@ class HostServicer(host_grpc.HostServicer):
             await refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"no book {request.book!r} (one of: {', '.join(sorted(self._books))})")
         lost = book.lost
+        if self._gate.closed is not None:
+            await refuse(context, grpc.StatusCode.UNAVAILABLE, self._gate.closed)
         if not book.clear_lost(request.operator or "an operator"):
             return host.ClearLostResponse(cleared=False, message=f"the {request.book} book is not lost")
         return host.ClearLostResponse(cleared=True, message=f"cleared: {lost}; its devices are offered again")
@@ -189,11 +202,12 @@ async def serve_control_socket(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the host API on ``socket_path`` (mode 0660, owned by ``group`` when given) until
-    cancelled; the socket is removed on the way out."""
+    cancelled; the socket is removed on the way out, if it is still the one we bound."""
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     remove_socket_file(socket_path)
     with trio.CancelScope(shield=True):  # never leave a half-started server behind (see _endpoint)
         server = await aio_as_trio(_start_control_server)(str(socket_path), servicer)
+    identity = os.lstat(socket_path).st_ino
     try:
         os.chmod(socket_path, 0o660)
         if group:
@@ -204,4 +218,8 @@ async def serve_control_socket(
     finally:
         with trio.CancelScope(shield=True):
             await aio_as_trio(server.stop)(0.2)
-            socket_path.unlink(missing_ok=True)
+            try:  # never the socket of the instance that took over meanwhile
+                if os.lstat(socket_path).st_ino == identity:
+                    socket_path.unlink()
+            except OSError:
+                pass
