@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -29,18 +30,9 @@ from tests.daemonrun import DaemonProcess, control_cli, wait_for_control
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.seam import Seam, create_vfs
-from tests.test_dra_daemon import (  # noqa: F401  (api, dra_kubelet: fixtures)
-    DRIVER,
-    RESOURCE,
-    add_kvm,
-    api,
-    claim,
-    config,
-    dra_daemon,
-    dra_kubelet,
-    names,
-    wait_published,
-)
+from tests.test_dra_daemon import DRIVER, RESOURCE, add_kvm, claim, config, dra_daemon, names, wait_published
+from tests.test_dra_daemon import api as api  # a fixture
+from tests.test_dra_daemon import dra_kubelet as dra_kubelet  # a fixture
 from tests.waiting import wait_until
 
 UID_A = "aaaaaaaa-0000-4000-8000-00000000000a"
@@ -169,3 +161,26 @@ def test_without_a_pod_uid_a_second_daemon_waits_for_the_first_to_stop(
     seam.wait_ready()
     dra_kubelet.wait_for_dra(DRIVER, registrations=2)
     wait_until(lambda: control_cli(control, "list").returncode == 0, what="the second one's control socket")
+
+
+def test_the_first_rolling_update_waits_out_an_old_daemon_that_takes_no_lock(
+    api: ApiServer, host: FakeHost, seam: Seam, dra_kubelet: FakeKubelet, start_pod: Callable[..., DaemonProcess],
+    short_tmp: Path,
+) -> None:
+    """The old pod of the first update to this version takes no lock and cannot be asked: while
+    it answers on the control socket the new pod touches nothing shared, and it takes over once
+    the old one is gone (the DaemonSet stops it once the new pod runs)."""
+    create_vfs(host, None, 0, 1)
+    control = short_tmp / "control.sock"
+    old = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # what the old daemon's control socket answers
+    old.bind(str(control))
+    old.listen(1)
+    try:
+        new = start_pod(UID_B, wait=False)
+        new.wait_for_log("takes no lock")
+        assert not seam.path.exists() and sockets_in(short_tmp / "plugins_registry") == set()
+    finally:
+        old.close()
+    seam.wait_ready()
+    dra_kubelet.wait_for_dra(DRIVER)
+    wait_for_control(control)
