@@ -53,13 +53,13 @@ class Claims:
         self.status = ClaimStatusWriter(DRIVER, self._kube, self.node.tree, self.node.hooks, self.host.sys,
                                         self.metrics, retry_first=0.05, retry_max=0.2)
         self.preparer = ClaimPreparer(DRIVER, NODE, self.node.cdi_dir, self.node.book, self.node.tree,
-                                      self.node.hooks, self._get_claim, self.node.changes.append,
+                                      self.node.hooks, self.get_claim, self.node.changes.append,
                                       metrics=self.metrics, status=self.status)
 
     async def _kube(self) -> Kube:
         return self.kube
 
-    async def _get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
         try:
             return await trio.to_thread.run_sync(self.kube.get_claim, namespace, name)
         except NotFound as error:

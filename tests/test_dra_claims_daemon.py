@@ -4,6 +4,7 @@ sockets, the fake sysfs."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -105,3 +106,48 @@ def test_status_writes_failing_never_fail_prepare_and_are_retried(
     warnings = [line for line in daemon.log.splitlines() if " WARNING " in line and "status.devices" in line]
     assert len(warnings) == 1  # one line for the two failures (the second at debug level)
     assert "associated-node:update" in daemon.log
+
+
+# -- claims the kubelet will never unprepare ---------------------------------------------------
+
+
+def test_a_claim_deleted_while_the_daemon_was_down_is_unprepared_at_start_and_its_vf_is_free(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    vfs = create_vfs(host, None, 0, 1)
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    ref = claim(api, "orphan", vfs[0])
+    dra_kubelet.prepare([ref])
+    assert daemon.stop() == 0
+    api.delete_claim("default", "orphan")  # its pod went while the daemon was down; the kubelet forgot it
+    daemon = start_dra()
+    daemon.wait_for_log(f"unprepared claim default/orphan (UID {ref[1]}), which the kubelet will never unprepare: "
+                        "its ResourceClaim is gone from the API server")
+    assert not (short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").exists()
+    assert json.loads((short_tmp / "state" / "dra-claims.json").read_text())["claims"] == []
+    dra_kubelet.wait_for_dra(DRIVER, registrations=2)
+    after = claim(api, "after", vfs[0])
+    assert dra_kubelet.prepare([after])[after[1]].devices  # the VF is free again
+
+
+def test_no_claim_is_unprepared_at_start_while_the_api_server_cannot_be_reached(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    vfs = create_vfs(host, None, 0, 1)
+    daemon = start_dra()
+    dra_kubelet.wait_for_dra(DRIVER)
+    ref = claim(api, "kept", vfs[0])
+    dra_kubelet.prepare([ref])
+    assert daemon.stop() == 0
+    api.delete_claim("default", "kept")
+    api.down()
+    daemon = start_dra()
+    daemon.wait_for_log(f"claim default/kept (UID {ref[1]}): cannot tell whether it is still on the API server")
+    assert (short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").exists()
+    assert "will never unprepare" not in daemon.log
+    dra_kubelet.wait_for_dra(DRIVER, registrations=2)
+    dra_kubelet.unprepare([ref])  # the kubelet's word still counts
+    assert not (short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").exists()

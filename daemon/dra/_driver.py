@@ -14,7 +14,9 @@ Started, it runs until the daemon stops:
   unprepare through ``ClaimPreparer``, ``_prepare.py``) and DRAResourceHealth (``_health.py``),
   and the registration socket in ``plugins_registry``;
 * the ``ClaimStatusWriter`` (``_status.py``): each prepared claim's ``status.devices``, written
-  in the background.
+  in the background;
+* the ``OrphanSweeper`` (``_orphans.py``): at start and every 45 s, each prepared claim read from
+  the API server; one gone or replaced is unprepared (the kubelet never will).
 
 Who holds what (the claim book, the withheld pools) is told to ``daemon.holdings``; a change is
 posted to the bus as ``ClaimsChanged``.
@@ -42,6 +44,7 @@ from daemon.supervise import Backoff, keep_running
 
 from ._claims import ClaimBook, ClaimNotFound
 from ._kube import ApiLink, KubeError, NotFound
+from ._orphans import SWEEP_PERIOD, OrphanSweeper
 from ._pools import DraPools
 from ._publisher import SlicePublisher
 
@@ -161,6 +164,9 @@ class DraDriver:
                 await nursery.start(sockets.run)
                 nursery.start_soon(keep_running, "the ResourceSlice publisher", self.publisher.run,
                                    Backoff(first=0.5, maximum=10.0))
+                sweeper = OrphanSweeper(self.claims, self._get_claim, preparer.release_orphans)
+                nursery.start_soon(keep_running, "the look for claims the kubelet will never unprepare",
+                                   sweeper.run, Backoff(first=1.0, maximum=SWEEP_PERIOD))
         finally:
             health.close_streams()
             self.link.close()

@@ -32,10 +32,12 @@ Prepare, for each claim of a call:
 
 Every claim gets an answer of its own: one claim's failure, whatever it is, never fails another.
 Unprepare removes the spec, the side files (those no other prepared claim shares) and the book
-entry; an unknown claim is already unprepared. The claim's ``status.devices`` lists the devices
-of a prepared claim, and no more once it is unprepared, written in the background
-(``_status.py``): a write that fails never fails nor delays the answer. The work under the lock is shielded from
-cancellation (a kubelet that gives up mid-way), so a claim is never left half prepared.
+entry; an unknown claim is already unprepared. A claim the kubelet will never unprepare (its
+ResourceClaim gone from the API server, or replaced: ``_orphans.py``) is unprepared the same way
+(``release_orphans``). The claim's ``status.devices`` lists the devices of a prepared claim,
+and no more once it is unprepared, written in the background (``_status.py``): a write that
+fails never fails nor delays the answer. The work under the lock is shielded from cancellation
+(a kubelet that gives up mid-way), so a claim is never left half prepared.
 
 With a lost book (its checkpoint could not be read) only the claims whose specs say they were
 prepared before may be prepared (again) until they are all unprepared: nobody knows which devices
@@ -303,7 +305,29 @@ class ClaimPreparer:
         self._metrics.dra_claim_errors.labels("unprepare").inc(sum(1 for a in answers.values() if a is not None))
         return answers
 
-    async def _unprepare(self, ref: ClaimRef) -> str | None:
+    async def release_orphans(self, orphans: Mapping[str, tuple[ClaimRef, str]]) -> None:
+        """Unprepare claims the kubelet will never unprepare (UID -> the claim and why: its
+        ResourceClaim is gone, or replaced; ``_orphans.py``), as Unprepare does, under its lock;
+        one line each, naming the claim and why. Their status is not written: it is nobody's."""
+        async with self._lock:
+            with trio.CancelScope(shield=True):
+                for uid, (ref, why) in orphans.items():
+                    if self._claims.prepared(uid) is None:
+                        continue  # the kubelet unprepared it meanwhile
+                    try:
+                        error = await self._unprepare(ref, orphaned=why)
+                    except Exception:
+                        log.exception("unpreparing %s (UID %s), which %s, failed", ref.label, uid, why,
+                                      extra={"EVENT": "orphans"})
+                        continue
+                    if error is not None:
+                        log.error("%s (UID %s) stays prepared although %s: %s", ref.label, uid, why, error,
+                                  extra={"EVENT": "orphans"})
+                    else:
+                        self._metrics.dra_orphaned_claims.inc()
+
+    async def _unprepare(self, ref: ClaimRef, *, orphaned: str | None = None) -> str | None:
+        """Unprepare ``ref``; ``orphaned``: why the kubelet never will (logged, no status written)."""
         if not _UID.fullmatch(ref.uid):
             return None  # never prepared: no spec, no entry has such a UID
         try:
@@ -319,9 +343,15 @@ class ClaimPreparer:
                 await self._claims.remove(ref.uid)
             except OSError as error:
                 return f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}"
-            log.info("unprepared %s (UID %s)", claim.label, ref.uid, extra={"EVENT": "unprepare"})
-            if self._status is not None:
-                self._status.unprepared(claim)
+            if orphaned is None:
+                log.info("unprepared %s (UID %s)", claim.label, ref.uid, extra={"EVENT": "unprepare"})
+                if self._status is not None:
+                    self._status.unprepared(claim)
+            else:
+                log.warning("unprepared %s (UID %s), which the kubelet will never unprepare: %s", claim.label,
+                            ref.uid, orphaned, extra={"EVENT": "orphans"})
+                if self._status is not None:
+                    self._status.forget(ref.uid)
             self._on_change(f"{claim.label} unprepared")
         if self._unaccounted and ref.uid in self._unaccounted:
             self._unaccounted.discard(ref.uid)
