@@ -1,8 +1,8 @@
-"""Shared pieces of the DRA benchmarks (``dra_slices``, ``dra_prepare``, ``dra_publish_4096``);
-not a benchmark itself.
+"""Shared pieces of the DRA benchmarks (``dra_slices``, ``dra_prepare``, ``dra_publish_4096``,
+``dra_taints``); not a benchmark itself.
 
 * ``StampedApiServer``: the API server stand-in of ``tests/apiserver.py``, subclassed here (the
-  stand-in itself is unchanged) to add two listeners:
+  stand-in itself is unchanged) to add listeners:
 
   * every stored ResourceSlice write (create, update, delete) is stamped with
     ``time.monotonic()`` inside ``_commit``, under the stand-in's lock, right after the object is
@@ -12,8 +12,14 @@ not a benchmark itself.
     that is new or holds other devices than the last one recorded (a change in place keeps the
     generation), its device names are recorded with the stamp of the write that completed it.
     A consumer that reads the pool then sees exactly these devices;
+  * each stretch of time a pool was incomplete (its stored slices not one complete generation:
+    the allocator allocates nothing from it then) is recorded, from the write that broke it to
+    the write that made it whole again;
   * every HTTP request is stamped when the stand-in's handler starts (request line and headers
     read) and when its answer is written.
+
+  Options go to ``tests.apiserver.ApiServer`` as they are (``feature_gates={"DRADeviceTaints"}``:
+  the server keeps device taints and validates them as 1.37 does).
 
 * ``dra_daemon``: ``benchmarks._common.Daemon`` with the DRA flags (``--node-name``,
   ``--kubeconfig`` for the stand-in, ``--dra-plugin-dir``), the uevent seam and its own control
@@ -43,6 +49,7 @@ RESOURCE_NAME = "sriov_vfs"  # intel.com/sriov_vfs
 POOL = f"{NODE}/intel.com/sriov-vfs"  # its ResourceSlice pool (daemon.dra.pool_name)
 VFS_PER_PF = 64
 SLICE_DEVICES = 128  # devices per slice (daemon.dra._slices.MAX_DEVICES_PER_SLICE)
+TAINTED_SLICE_DEVICES = 64  # of a pool that may carry taints (MAX_TAINTED_DEVICES_PER_SLICE)
 
 
 class SliceWrite(NamedTuple):
@@ -52,6 +59,16 @@ class SliceWrite(NamedTuple):
     pool: str
     generation: int
     devices: int
+    names: frozenset[str] = frozenset()  # the slice's device names (none for a delete)
+    taints: frozenset[tuple[str, str, str]] = frozenset()  # (device name, taint key, effect) of each taint
+
+
+class Incomplete(NamedTuple):
+    """A stretch of time a pool's stored slices were not one complete generation."""
+
+    pool: str
+    start: float  # the stamp of the write that made it incomplete
+    end: float | None  # the stamp of the write that made it complete again (None: not yet)
 
 
 class PoolGeneration(NamedTuple):
@@ -85,6 +102,8 @@ class StampedApiServer(ApiServer):
         self.handled: list[Handled] = []
         self._pool_slices: dict[str, dict[str, tuple[int, int, frozenset[str]]]] = {}
         self._complete: dict[str, tuple[int, frozenset[str]]] = {}
+        self.incomplete: list[Incomplete] = []
+        self._incomplete_at: dict[str, int] = {}  # pool -> its open entry in ``incomplete``
 
     def _commit(self, kind: str, obj: dict[str, Any], previous: Any) -> Any:
         stored = super()._commit(kind, obj, previous)
@@ -94,16 +113,26 @@ class StampedApiServer(ApiServer):
         pool = str(pool_spec.get("name", ""))
         generation = int(pool_spec.get("generation", 0))
         devices = spec.get("devices") or []
-        self.writes.append(SliceWrite(stamp, kind, stored.name, pool, generation, len(devices)))
+        names = frozenset(device["name"] for device in devices) if kind != "DELETED" else frozenset()
+        taints = frozenset((device["name"], str(taint.get("key", "")), str(taint.get("effect", "")))
+                           for device in devices for taint in device.get("taints") or []) if kind != "DELETED" \
+            else frozenset()
+        self.writes.append(SliceWrite(stamp, kind, stored.name, pool, generation, len(devices), names, taints))
         slices = self._pool_slices.setdefault(pool, {})
         if kind == "DELETED":
             slices.pop(stored.name, None)
         else:
-            slices[stored.name] = (generation, int(pool_spec.get("resourceSliceCount", 0)),
-                                   frozenset(device["name"] for device in devices))
+            slices[stored.name] = (generation, int(pool_spec.get("resourceSliceCount", 0)), names)
         generations = {g for g, _, _ in slices.values()}
         counts = {c for _, c, _ in slices.values()}
-        if slices and len(generations) == 1 and counts == {len(slices)}:
+        complete = bool(slices) and len(generations) == 1 and counts == {len(slices)}
+        if complete and pool in self._incomplete_at:
+            index = self._incomplete_at.pop(pool)
+            self.incomplete[index] = self.incomplete[index]._replace(end=stamp)
+        elif not complete and pool not in self._incomplete_at and slices:
+            self._incomplete_at[pool] = len(self.incomplete)
+            self.incomplete.append(Incomplete(pool, stamp, None))
+        if complete:
             (complete,) = generations
             names = frozenset().union(*(n for _, _, n in slices.values()))
             if self._complete.get(pool) != (complete, names):  # a new generation, or a change in place
@@ -121,6 +150,16 @@ class StampedApiServer(ApiServer):
             with self._cond:
                 path, _, query = str(handler.path).partition("?")
                 self.handled.append(Handled(start, end, method, path, "watch=true" in query.lower()))
+
+
+def incomplete_seconds(api: StampedApiServer, pool: str, start: float, end: float) -> float:
+    """How long ``pool`` was incomplete between ``start`` and ``end`` (read under the lock or
+    once the daemon is idle; a stretch still open counts up to ``end``)."""
+    total = 0.0
+    for stretch in api.incomplete:
+        if stretch.pool == pool:
+            total += max(0.0, min(end, stretch.end if stretch.end is not None else end) - max(start, stretch.start))
+    return total
 
 
 def wait_api(api: ApiServer, daemon: Daemon, predicate: Callable[[], Any], timeout: float, what: str) -> Any:

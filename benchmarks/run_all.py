@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dra_slices": ("dra_slices", ()),
     "dra_prepare": ("dra_prepare", ()),
     "dra_publish_4096": ("dra_publish_4096", ()),
+    "dra_taints": ("dra_taints", ()),
 }
 TIMEOUT = 300.0
 
