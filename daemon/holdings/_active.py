@@ -103,20 +103,31 @@ class StateLock:
         return self._descriptor
 
     def try_take(self) -> bool:
-        """Take the lock if nobody holds it; whether we hold it now."""
-        descriptor = self._open()
+        """Take the lock if nobody holds it; whether we hold it now. A state directory that cannot
+        be locked (a filesystem without flock) is logged and taken as ours, as before there was
+        a lock: nothing then keeps a second instance off it."""
         try:
+            descriptor = self._open()
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        self._say_who()
+        except OSError as error:
+            log.warning("cannot lock %s (%s): nothing keeps a second devplugd off %s", self.path,
+                        error.strerror or error, self.path.parent)
+            self.held = True
+            return True
+        with contextlib.suppress(OSError):
+            self._say_who()
+        self.held = True
         return True
 
     async def take(self) -> None:
         """Wait until the lock is ours (in a worker thread, given up if cancelled)."""
         descriptor = self._open()
         await trio.to_thread.run_sync(fcntl.flock, descriptor, fcntl.LOCK_EX, abandon_on_cancel=True)
-        self._say_who()
+        with contextlib.suppress(OSError):
+            self._say_who()
+        self.held = True
 
     def _say_who(self) -> None:
         assert self._descriptor is not None
@@ -155,16 +166,24 @@ class Handover:
         self.answer: dict[str, Any] = {}
 
     async def serve(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen until a handover is done (or cancelled); the socket file goes with it."""
+        """Listen until a handover is done (or cancelled); the socket file goes with it. A
+        directory that cannot hold a socket (a filesystem without them) is logged: a new pod then
+        waits for the lock until this instance stops, which is safe, only slower."""
         listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with listener:
-            with contextlib.suppress(FileNotFoundError):  # a dead instance's: we hold the lock
-                if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                    self.path.unlink()
-            await listener.bind(os.fspath(self.path))
-            os.chmod(self.path, 0o600)
-            identity = os.lstat(self.path).st_ino
-            listener.listen(4)
+            try:
+                with contextlib.suppress(FileNotFoundError):  # a dead instance's: we hold the lock
+                    if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                        self.path.unlink()
+                await listener.bind(os.fspath(self.path))
+                os.chmod(self.path, 0o600)
+                identity = os.lstat(self.path).st_ino
+                listener.listen(4)
+            except OSError as error:
+                log.error("cannot listen for handovers on %s: %s; a new pod of a rolling update will wait until "
+                          "this instance stops", self.path, error.strerror or error)
+                task_status.started()
+                return
             task_status.started()
             accepting = trio.CancelScope()
             try:
