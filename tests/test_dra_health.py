@@ -15,7 +15,7 @@ from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
 from daemon.core import UNHEALTHY, DeviceInfo, DeviceSpec
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
-from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, health_report
+from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, HealthReports
 from tests.drasockets import DRIVER, NODE, DraRig, serving_dra
 from tests.kubelet import DRA_HEALTH_VERSIONS
 from tests.trees import pool, tree
@@ -56,10 +56,32 @@ async def messages(rig: DraRig, count: int, timeout: float = 5.0) -> list[dict[t
 
 
 def test_the_report_names_pools_and_devices_as_the_slices_do():
-    report = health_report(first_tree(), NODE)
-    assert [(pool_id, device) for pool_id, device, _, _ in report] == sorted(EVERY_DRA_DEVICE)
+    report = HealthReports(NODE).report(first_tree())
+    assert sorted((pool_id, device) for pool_id, devices in report.items() for device in devices) == sorted(
+        EVERY_DRA_DEVICE)
     assert key(X, PCI) == ("node1/example.com/x", "0000-3b-02-1")
-    assert all(entry[0].startswith(f"{NODE}/") for entry in report)
+    assert all(pool_id.startswith(f"{NODE}/") for pool_id in report)
+
+
+UNHEALTHY_STATUS = 2  # HealthStatus.UNHEALTHY on the wire
+
+
+def test_a_message_keeps_each_unchanged_devices_encoding_and_its_time():
+    """One device's health changes: the message says so, the others' entries (and their
+    last_updated_time: when their health last changed) are what they were."""
+    reports = HealthReports(NODE)
+    first = reports.message(reports.report(first_tree()))
+    time.sleep(1.01)  # a second later: a new encoding would carry another time
+    changed = tree(dra_pool(X, ["d1", PCI, "leased", "claimed", "held"], unhealthy=["d1"],
+                            leased={"leased"}, claimed={"claimed"}, kubelet_held={"held"}),
+                   dra_pool(Y, ["kvm-3"], unhealthy=["kvm-3"]), version=2)
+    second = reports.message(reports.report(changed))
+    def by_device(message):
+        return {(d.device.pool_name, d.device.device_name): d for d in message.devices}
+    before, after = by_device(first), by_device(second)
+    assert before.keys() == after.keys() == EVERY_DRA_DEVICE.keys()
+    assert [k for k in after if after[k] != before[k]] == [key(X, "d1")]
+    assert after[key(X, "d1")].health == UNHEALTHY_STATUS and after[key(X, "d1")].last_updated_time > before[key(X, "d1")].last_updated_time
 
 
 async def test_the_first_message_lists_every_device_of_every_dra_pool_and_nothing_else(short_tmp):

@@ -26,6 +26,7 @@ from daemon.core._tree import DEVICE_PLUGIN_ROAD, DeviceTree
 from daemon.holdings import KUBELET_ASKS, UNHEALTHY, UNKNOWN, VANISHED, HolderLookup, refusal
 from daemon.metrics import LISTANDWATCH, Metrics
 from daemon.sockets import refuse
+from daemon.wire import framed
 
 log = logging.getLogger("devplugd.deviceplugin")
 
@@ -75,15 +76,8 @@ def device_message(device_id: str, health: str, numa_nodes: tuple[int, ...]) -> 
 
 
 def _framed_device(entry: tuple[str, str, tuple[int, ...]]) -> bytes:
-    """One ``Device`` as it sits in a serialized ListAndWatchResponse: field 1 (``devices``,
-    length-delimited), its length as a varint, then the message."""
-    body: bytes = device_message(*entry).SerializeToString()
-    size, prefix = len(body), bytearray(b"\x0a")
-    while size > 0x7F:
-        prefix.append(size & 0x7F | 0x80)
-        size >>= 7
-    prefix.append(size)
-    return bytes(prefix) + body
+    """One ``Device`` as it sits in a serialized ListAndWatchResponse (field 1, ``devices``)."""
+    return framed(1, device_message(*entry).SerializeToString())
 
 
 class ListingMessages:

@@ -8,6 +8,12 @@ reason, or the set of DRA devices changed. A device the handler lost while it is
 it (a host lease, a claim, a device-plugin pod) still reports its health, since its holder is
 what the report is for.
 
+Messages are made as ListAndWatch's are (``daemon.wire``): each device's encoding is kept while
+its health stays, and a message is the kept encodings joined and parsed in one C call, so one
+changed device of 4096 costs one encoding. A pool that is the same object in the next tree gives
+the same part of the report. ``last_updated_time`` is when the device's health (or its message)
+was last seen to change in this daemon's run, which is what it says.
+
 The kubelet stamps each device with the time a message *arrived* (not ``last_updated_time``) and
 takes it as Unknown once that is older than ``health_check_timeout_seconds`` (30 s when 0, and
 always 30 s for kubelets before 1.35, which do not read the field). So an unchanged list is sent
@@ -28,16 +34,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
 from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
-from daemon.core import HEALTHY
+from daemon.core import HEALTHY, ResourcePool
 from daemon.core._notifier import MailboxClosed, Notifier, TreeStream, devices_scope
 from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.metrics import DRA_HEALTH, Metrics
+from daemon.wire import framed
 
 from ._names import device_name, pool_name
 
@@ -47,25 +54,66 @@ HEALTH_TIMEOUT_SECONDS = 30  # the kubelet's DefaultHealthTimeout, stated rather
 RESEND_INTERVAL = 10.0
 VANISHED_MESSAGE = "the device is no longer on the host"
 
-# (pool name, device name, HealthStatus, message), sorted: what one message says
-HealthReport = tuple[tuple[str, str, health.HealthStatus, str], ...]
+# what one message says: per pool name, per device name, (HealthStatus, message)
+HealthReport = Mapping[str, Mapping[str, tuple[health.HealthStatus, str]]]
 
 
-def health_report(tree: DeviceTree, node_name: str) -> HealthReport:
-    """The health of every device of every DRA pool of ``tree``."""
-    entries: list[tuple[str, str, health.HealthStatus, str]] = []
-    for resource, pool in tree.pools.items():
-        if pool.road != DRA_ROAD:
-            continue
-        pool_id = pool_name(node_name, resource)
-        for device_id, info in pool.devices.items():
-            if device_id in pool.vanished:
-                entries.append((pool_id, device_name(device_id), health.UNHEALTHY, VANISHED_MESSAGE))
-            elif info.health == HEALTHY:
-                entries.append((pool_id, device_name(device_id), health.HEALTHY, ""))
-            else:
-                entries.append((pool_id, device_name(device_id), health.UNHEALTHY, ""))
-    return tuple(sorted(entries))
+class HealthReports:
+    """The health of every device of every DRA pool of a tree, and the messages saying it.
+    Shared by the streams (it is pure): a pool that is the same object as last time gives the
+    same report, and the devices of a changed one keep their names and encodings."""
+
+    def __init__(self, node_name: str) -> None:
+        self._node_name = node_name
+        self._pools: dict[str, tuple[ResourcePool, dict[str, tuple[health.HealthStatus, str]], dict[str, str]]] = {}
+        self._encoded: dict[tuple[str, str, health.HealthStatus, str], bytes] = {}
+
+    def report(self, tree: DeviceTree) -> HealthReport:
+        pools: dict[str, tuple[ResourcePool, dict[str, tuple[health.HealthStatus, str]], dict[str, str]]] = {}
+        for resource, pool in tree.pools.items():
+            if pool.road != DRA_ROAD:
+                continue
+            cached = self._pools.get(resource)
+            if cached is not None and cached[0] is pool:
+                pools[resource] = cached
+                continue
+            known_names = cached[2] if cached is not None else {}
+            names = {device_id: known_names.get(device_id) or device_name(device_id) for device_id in pool.devices}
+            vanished = pool.vanished
+            pools[resource] = (pool, {
+                names[device_id]: ((health.UNHEALTHY, VANISHED_MESSAGE) if device_id in vanished
+                                   else (health.HEALTHY, "") if info.health == HEALTHY else (health.UNHEALTHY, ""))
+                for device_id, info in pool.devices.items()}, names)
+        self._pools = pools
+        return {pool_name(self._node_name, resource): entries for resource, (_, entries, _) in sorted(pools.items())}
+
+    def message(self, report: HealthReport) -> health.NodeWatchResourcesResponse:
+        """The complete list of ``report``: each device's encoding kept while its entry is the
+        same, stamped with the time it was first encoded."""
+        known = self._encoded
+        encoded: dict[tuple[str, str, health.HealthStatus, str], bytes] = {}
+        now = 0
+        for pool_id, devices in report.items():
+            for device, (status, message) in devices.items():
+                key = (pool_id, device, status, message)
+                body = known.get(key)
+                if body is None:
+                    now = now or int(time.time())
+                    body = framed(1, health.DeviceHealth(
+                        device=health.DeviceIdentifier(pool_name=pool_id, device_name=device), health=status,
+                        last_updated_time=now, health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
+                        message=message).SerializeToString())
+                encoded[key] = body
+        self._encoded = encoded
+        response: health.NodeWatchResourcesResponse = health.NodeWatchResourcesResponse.FromString(
+            b"".join(encoded.values()))
+        return response
+
+
+def count_devices(report: HealthReport) -> tuple[int, int]:
+    """(devices, unhealthy ones) of a report."""
+    return (sum(len(devices) for devices in report.values()),
+            sum(1 for devices in report.values() for status, _ in devices.values() if status != health.HEALTHY))
 
 
 def _dra_pools_changed(old: DeviceTree, new: DeviceTree) -> bool:
@@ -91,25 +139,12 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
         self._resend_interval = resend_interval
         self._metrics = metrics or Metrics()
         self._streams: set[TreeStream] = set()
+        self._reports = HealthReports(node_name)
 
     def close_streams(self) -> None:
         """End every open stream (before the server that carries them stops)."""
         for stream in tuple(self._streams):
             stream.close()
-
-    @staticmethod
-    def _message(report: HealthReport) -> health.NodeWatchResourcesResponse:
-        now = int(time.time())
-        return health.NodeWatchResourcesResponse(devices=[
-            health.DeviceHealth(
-                device=health.DeviceIdentifier(pool_name=pool_id, device_name=device),
-                health=status,
-                last_updated_time=now,
-                health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
-                message=message,
-            )
-            for pool_id, device, status, message in report
-        ])
 
     async def NodeWatchResources(
         self,
@@ -122,23 +157,23 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
                 self._metrics.tree_streams.labels(DRA_HEALTH).track_inprogress():
             self._streams.add(stream)
             try:
-                report = health_report(first, self._node_name)
-                log.info("kubelet watches DRA device health: %d devices", len(report))
-                yield self._message(report)
+                reports = self._reports
+                report = reports.report(first)
+                log.info("kubelet watches DRA device health: %d devices", count_devices(report)[0])
+                yield reports.message(report)
                 resend_at = loop.time() + self._resend_interval
                 while True:
                     tree = await stream.next(resend_at - loop.time())
                     if tree is not None:
-                        new_report = health_report(tree, self._node_name)
+                        new_report = reports.report(tree)
                         if new_report == report:
                             continue
-                        unhealthy = sum(1 for entry in new_report if entry[2] != health.HEALTHY)
                         log.info("DRA device health changed (tree %d): %d devices, %d unhealthy",
-                                 tree.version, len(new_report), unhealthy, extra={"EVENT": f"tree:{tree.version}"})
+                                 tree.version, *count_devices(new_report), extra={"EVENT": f"tree:{tree.version}"})
                         report = new_report
                     elif loop.time() < resend_at:
                         continue
-                    yield self._message(report)
+                    yield reports.message(report)
                     resend_at = loop.time() + self._resend_interval
             except MailboxClosed:
                 return
