@@ -305,7 +305,8 @@ def in_process_slice_costs(host: FakeHost, workdir: Path, repeats: int = 5) -> d
     from daemon.core import ResourcePool
     from daemon.core._handler import Hooks
     from daemon.core._tree import DRA_ROAD
-    from daemon.dra._slices import slice_bodies, slice_devices
+    from daemon.dra._devices import slice_devices
+    from daemon.dra._slices import slice_bodies
     from daemon.settings import Settings
 
     config_path = workdir / "inproc-config.json"

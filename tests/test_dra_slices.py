@@ -17,7 +17,8 @@ from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
 from daemon.core._names import dns_subdomain_problem
 from daemon.core._tree import DRA_ROAD
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
-from daemon.dra._slices import Memo, generate_name, slice_updates
+from daemon.dra._devices import Memo
+from daemon.dra._slices import generate_name, slice_updates
 from tests import trees
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci

@@ -12,7 +12,8 @@ from typing import Any
 from daemon.core._config import DaemonConfig
 from daemon.core._names import dns_subdomain_problem, dra_pool_part
 
-from ._slices import MANAGED_BY, string_problem
+from ._devices import string_problem
+from ._slices import MANAGED_BY
 
 DEVICE_CLASS_API_VERSION = "resource.k8s.io/v1"
 RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"

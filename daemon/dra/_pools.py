@@ -20,9 +20,10 @@ from daemon.core._config import DRA_API, OMIT_UNHEALTHY
 from daemon.core._handler import Hooks
 from daemon.core._tree import DRA_ROAD, DeviceTree
 
+from ._devices import Memo, slice_devices
 from ._names import pool_name
 from ._publisher import SlicePublisher, WantedPool
-from ._slices import MAX_DEVICES_PER_SLICE, MAX_TAINTED_DEVICES_PER_SLICE, Memo, slice_devices
+from ._slices import MAX_DEVICES_PER_SLICE, MAX_TAINTED_DEVICES_PER_SLICE
 from ._view import JsonObject
 
 log = logging.getLogger("devplugd.dra")

@@ -3,16 +3,21 @@ devices) to the API server, in the shape of the Go helper's ``resourceslice.Cont
 
 One sync task writes only the pools whose wanted devices differ from what the server has
 (``_view.py``), coalesced (a burst of updates is one write of the newest). A pool's devices go out
-in slices of at most 128 (``_slices.slice_bodies``), and every write raises the pool's
-generation and puts it on every slice of the pool, so a consumer never mixes two versions.
-Existing slices are updated in place (PUT, matched by the index their name starts with, as the Go
-helper matches them); extra ones are deleted first (with uid and resourceVersion preconditions),
-missing ones created (``generateName``). A 409 re-reads the slice and tries again (a delete too,
-with the new preconditions); a 422 is logged with the object and the server's causes and not
-tried again until the pool's devices change. Slices that already publish what we want (after a
-restart: the slices of the last run) are adopted as they are, without a write. Slices of pools
-we do not want (any more) are deleted; ``on_server`` is told which pools have slices after each
-round, so the driver knows when a pool moved back to the device-plugin API may be served there.
+in slices of at most 128 (64 for a pool that may carry taints or shared devices: the server's
+cap). A change that fits the slices there are (``_slices.slice_updates``: a device's entry
+replaced, added where a slice has room, removed) is written to the slices it touches alone, at
+the generation they have, so the pool stays complete and allocatable throughout. Any other change
+raises the generation: every slice of the new generation is written (PUT into the slice whose name
+has its index, as the Go helper matches them; ``generateName`` for a new one), and the slices it
+no longer needs are deleted only once it is complete (with uid and resourceVersion
+preconditions). A 409 re-reads the slice and tries again (a delete too, with the new
+preconditions); a 422 is logged with the object and the server's causes and not tried again until
+the pool's devices change. Taints keep the ``timeAdded`` they have on the server (``_taints.py``);
+a server that drops taints or consumable capacity gets the pool as it can keep it (``_gates.py``).
+Slices that already publish what we want (after a restart: the slices of the last run) are
+adopted as they are, without a write. Slices of pools we do not want (any more) are deleted;
+``on_server`` is told which pools have slices after each round, so the driver knows when a pool
+moved back to the device-plugin API may be served there.
 
 With no API server, no credentials or no Node object, one error line is logged (again only when
 the reason changes) and everything is retried with a backoff capped at 10 s; the rest of the
@@ -34,34 +39,17 @@ from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.supervise import Backoff
 
+from ._gates import Fallbacks, dropped_gates
 from ._kube import ApiLink, Conflict, Invalid, Kube, KubeError, NotFound
 from ._slices import MAX_DEVICES_PER_SLICE, slice_bodies, slice_body, slice_updates
-from ._taints import TaintTimes
-from ._view import Complaints, JsonObject, SliceView, slice_index
+from ._taints import TaintCounts, TaintTimes
+from ._view import Complaints, JsonObject, SliceView, Written, slice_index, versions_of
 
 log = logging.getLogger("devplugd.dra")
 
 RETRY_MAX = 10.0
 CONFLICT_RETRIES = 5
 PARALLEL_WRITES = 8  # slice writes of one pool in flight at once
-
-
-TAINTS_GATE, SHARING_GATE = "DRADeviceTaints", "DRAConsumableCapacity"
-
-
-def dropped_gates(sent: Sequence[Mapping[str, Any]], answered: Sequence[Mapping[str, Any]]) -> set[str]:
-    """The feature gates whose fields our write had and the server's answer lacks (the gate is
-    off there: the write succeeds, the fields are gone, as upstream's dropDisabledFields does)."""
-    kept = {device.get("name"): device for device in answered}
-    gates: set[str] = set()
-    for device in sent:
-        if device.get("taints") or device.get("allowMultipleAllocations"):
-            there = kept.get(device["name"]) or {}
-            if device.get("taints") and not there.get("taints"):
-                gates.add(TAINTS_GATE)
-            if device.get("allowMultipleAllocations") and not there.get("allowMultipleAllocations"):
-                gates.add(SHARING_GATE)
-    return gates
 
 
 @dataclass(frozen=True)
@@ -78,29 +66,6 @@ class WantedPool:
     arrival: float | None = None
     max_devices: int = MAX_DEVICES_PER_SLICE
     unshared: list[JsonObject] | None = None
-
-
-class _Written:
-    """What a pool's slices on the server hold as far as we know: the devices we wrote (or found
-    there as we would have written them), their generation, the resourceVersion of each slice as
-    we left it (any other version means someone else wrote since), and each slice's devices as
-    the entries we wrote, by slice name: while the versions are ours, a change is placed against
-    these (an unchanged device is the same object, compared in no time) instead of the server's
-    copies (4096 devices compared field by field: tens of milliseconds)."""
-
-    __slots__ = ("devices", "generation", "slices", "versions")
-
-    def __init__(self, devices: list[JsonObject], generation: int, versions: dict[str, str],
-                 slices: dict[str, list[Mapping[str, Any]]]) -> None:
-        self.devices = devices
-        self.generation = generation
-        self.versions = versions
-        self.slices = slices
-
-
-def _versions(slices: Sequence[JsonObject]) -> dict[str, str]:
-    """Each slice's resourceVersion, by name."""
-    return {s["metadata"]["name"]: str(s["metadata"].get("resourceVersion")) for s in slices}
 
 
 def _essentials(obj: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -124,15 +89,14 @@ class SlicePublisher:
         self._wakeup = trio.Event()
         self._node_uid: str | None = None
         self._view = SliceView(self._view_changed, self._written_name)
-        self._written: dict[str, _Written] = {}  # pool name -> what we wrote
+        self._written: dict[str, Written] = {}  # pool name -> what we wrote
         self._rejected: dict[str, list[JsonObject]] = {}  # pool name -> devices the server refused (422)
         self._answered: dict[str, WantedPool] = {}  # pool name -> the wanted pool last written (reaction time)
         self._complaints = Complaints(RETRY_MAX)  # shared by the tasks: an outage is one error line
         self._writers = trio.CapacityLimiter(PARALLEL_WRITES)
         self._taint_times = TaintTimes()
-        self._no_taints: set[str] = set()  # pools whose taints the server dropped: unhealthy devices left out
-        self._no_sharing: set[str] = set()  # pools whose shared devices the server dropped: shares published
-        self._taint_causes: dict[str, set[str]] = {}  # resource -> the causes its taint gauge has
+        self._taint_counts = TaintCounts(self._metrics.dra_device_taints)
+        self._fallbacks = Fallbacks()
 
     def update(self, wanted: Mapping[str, WantedPool], elsewhere: frozenset[str] = frozenset()) -> None:
         """What every pool (by pool name) should publish from now on; a pool left out has its
@@ -212,19 +176,15 @@ class SlicePublisher:
         for gone in self._rejected.keys() - wanted.keys():  # wanted again later, it is tried again
             del self._rejected[gone]
         for pool, pool_wanted in wanted.items():
-            devices = pool_wanted.devices
-            if pool in self._no_sharing and pool_wanted.unshared is not None:
-                devices = pool_wanted.unshared
-            if pool in self._no_taints:
-                devices = [device for device in devices if "taints" not in device]
+            devices = self._fallbacks.devices(pool, pool_wanted.devices, pool_wanted.unshared)
             devices, causes = self._taint_times.stamp(pool, devices, functools.partial(self._server_devices, pool))
             if self._up_to_date(pool, devices, pool_wanted.max_devices) or self._rejected.get(pool) == devices:
-                self._count_taints(pool_wanted.resource, causes)
+                self._taint_counts.count(pool_wanted.resource, causes)
                 continue
             self._rejected.pop(pool, None)
             if not await self._write_pool(kube, pool, devices, pool_wanted.max_devices):
                 continue
-            self._count_taints(pool_wanted.resource, causes)
+            self._taint_counts.count(pool_wanted.resource, causes)
             if pool_wanted.arrival is not None and self._answered.get(pool) is not pool_wanted:
                 self._answered[pool] = pool_wanted  # a rewrite of the same answers no event
                 self._metrics.dra_reaction.labels(pool_wanted.resource).observe(
@@ -238,25 +198,12 @@ class SlicePublisher:
             self._written.pop(pool, None)
             self._answered.pop(pool, None)
             self._taint_times.forget(pool)
-        for resource in self._taint_causes.keys() - {w.resource for w in wanted.values()}:
-            self._count_taints(resource, {})
+        self._taint_counts.keep({w.resource for w in wanted.values()})
 
     def _server_devices(self, pool: str) -> dict[str, JsonObject]:
         """The pool's devices on the server, by name."""
         return {device["name"]: device for item in self._view.slices_of(pool)
                 for device in item["spec"].get("devices") or []}
-
-    def _count_taints(self, resource: str, causes: Mapping[str, int]) -> None:
-        """Set the pool's taint gauge: devices published with a taint, by cause."""
-        gauge = self._metrics.dra_device_taints
-        for cause, count in causes.items():
-            gauge.labels(resource, cause).set(count)
-        for cause in self._taint_causes.get(resource, set()) - causes.keys():
-            gauge.remove(resource, cause)
-        if causes:
-            self._taint_causes[resource] = set(causes)
-        else:
-            self._taint_causes.pop(resource, None)
 
     async def _read_node_uid(self, kube: Kube) -> None:
         """Read the Node's uid again: a node deleted and registered again has a new one, and the
@@ -274,13 +221,13 @@ class SlicePublisher:
         them, or (after a restart, or someone else's write) they are ours, complete at one
         generation, and hold exactly these device entries, in whichever slices: adopted as ours."""
         on_server = self._view.slices_of(pool)
-        versions = _versions(on_server)
+        versions = versions_of(on_server)
         written = self._written.get(pool)
         if written is not None and written.versions == versions:
             return written.devices == devices  # the same objects, where unchanged: fast
         if not self._ours(pool, on_server) or slice_updates(on_server, devices, max_devices) != {}:
             return False
-        self._written[pool] = _Written(devices, on_server[0]["spec"]["pool"]["generation"], versions,
+        self._written[pool] = Written(devices, on_server[0]["spec"]["pool"]["generation"], versions,
                                        {s["metadata"]["name"]: s["spec"].get("devices") or [] for s in on_server})
         return True
 
@@ -306,7 +253,7 @@ class SlicePublisher:
         slices the new generation does not need deleted only once it is complete."""
         existing = self._view.slices_of(pool)
         written = self._written.get(pool)
-        held = written.slices if written is not None and written.versions == _versions(existing) else None
+        held = written.slices if written is not None and written.versions == versions_of(existing) else None
         updates = slice_updates(existing, devices, max_devices, held) if self._ours(pool, existing) else None
         writes: list[tuple[JsonObject, JsonObject | None]]
         if updates is not None:
@@ -346,26 +293,15 @@ class SlicePublisher:
             return False
         slices = {name: held[name] if held is not None else item["spec"].get("devices") or []
                   for name, item in by_name.items()} if updates is not None else {}
-        versions = _versions(existing) if updates is not None else {}
+        versions = versions_of(existing) if updates is not None else {}
         for (body, _), (name, version) in zip(writes, names):
             slices[name], versions[name] = body["spec"]["devices"], version
-        self._written[pool] = _Written(devices, generation, versions, slices)
+        self._written[pool] = Written(devices, generation, versions, slices)
         log.info("DRA: pool %s generation %d: %d devices in %d slices (%d written%s)", pool, generation,
                  len(devices), count, len(writes), ", in place" if updates is not None else "",
                  extra={"EVENT": "dra", "DRA_POOL": pool})
-        fallen_back = False
-        for gate, fallen, instead in ((TAINTS_GATE, self._no_taints, "unhealthy devices are left out of its "
-                                       "ResourceSlices"),
-                                      (SHARING_GATE, self._no_sharing, "each share of a shared device is "
-                                       "published as a device of its own")):
-            if gate in dropped and pool not in fallen:
-                fallen.add(pool)
-                fallen_back = True
-                log.error("DRA: the API server dropped fields of pool %s that its feature gate %s keeps (it is off: "
-                          "Kubernetes 1.35 or older by default); %s instead until devplugd restarts", pool, gate,
-                          instead, extra={"EVENT": "dra", "DRA_POOL": pool})
-        if fallen_back:
-            self._wake()
+        if self._fallbacks.dropped(pool, dropped):
+            self._wake()  # written again as this server keeps it
             return False
         return True
 

@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from prometheus_client import Gauge
+
 JsonObject = dict[str, Any]
 TaintId = tuple[str, str, str]  # key, value, effect
 
@@ -88,3 +90,27 @@ class TaintTimes:
 
     def forget(self, pool: str) -> None:
         self._sent.pop(pool, None)
+
+
+class TaintCounts:
+    """The taint gauge (``devplugd_dra_device_taints``): devices published with a taint, by pool
+    and cause; a cause no device has any more leaves the gauge."""
+
+    def __init__(self, gauge: Gauge) -> None:
+        self._gauge = gauge
+        self._causes: dict[str, set[str]] = {}  # resource -> the causes the gauge has
+
+    def count(self, resource: str, causes: Mapping[str, int]) -> None:
+        for cause, count in causes.items():
+            self._gauge.labels(resource, cause).set(count)
+        for cause in self._causes.get(resource, set()) - causes.keys():
+            self._gauge.remove(resource, cause)
+        if causes:
+            self._causes[resource] = set(causes)
+        else:
+            self._causes.pop(resource, None)
+
+    def keep(self, resources: set[str]) -> None:
+        """Only these pools are published: the others leave the gauge."""
+        for resource in self._causes.keys() - resources:
+            self.count(resource, {})

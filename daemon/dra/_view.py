@@ -53,6 +53,29 @@ def version_of(obj: Mapping[str, Any]) -> int:
         return -1
 
 
+class Written:
+    """What a pool's slices on the server hold as far as we know: the devices we wrote (or found
+    there as we would have written them), their generation, the resourceVersion of each slice as
+    we left it (any other version means someone else wrote since), and each slice's devices as
+    the entries we wrote, by slice name: while the versions are ours, a change is placed against
+    these (an unchanged device is the same object, compared in no time) instead of the server's
+    copies (4096 devices compared field by field: tens of milliseconds)."""
+
+    __slots__ = ("devices", "generation", "slices", "versions")
+
+    def __init__(self, devices: list[JsonObject], generation: int, versions: dict[str, str],
+                 slices: dict[str, list[Mapping[str, Any]]]) -> None:
+        self.devices = devices
+        self.generation = generation
+        self.versions = versions
+        self.slices = slices
+
+
+def versions_of(slices: Sequence[JsonObject]) -> dict[str, str]:
+    """Each slice's resourceVersion, by name."""
+    return {s["metadata"]["name"]: str(s["metadata"].get("resourceVersion")) for s in slices}
+
+
 class Complaints:
     """One error line per distinct reason (``KubeError.reason``: every call to a server that is
     down is one), whichever task meets it, and a line when things work again."""
