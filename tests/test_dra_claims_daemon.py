@@ -151,3 +151,42 @@ def test_no_claim_is_unprepared_at_start_while_the_api_server_cannot_be_reached(
     dra_kubelet.wait_for_dra(DRIVER, registrations=2)
     dra_kubelet.unprepare([ref])  # the kubelet's word still counts
     assert not (short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").exists()
+
+
+# -- shared devices (KEP-5075) -----------------------------------------------------------------
+
+
+def test_a_devnode_pool_with_count_is_one_shared_device_two_claims_hold_at_once(
+    run_daemon: Callable[..., DaemonProcess], seam: Seam, host: FakeHost, dra_kubelet: FakeKubelet,
+    short_tmp: Path
+) -> None:
+    """A 1.36 API server (consumable capacity on): /dev/kvm offered 4 times is one device with 4
+    shares; two claims allocated a share each are both prepared, each answered with its share ID,
+    and each claim's status names the device and its share."""
+    add_kvm(host)
+    document = config(kvm=False)
+    document["resourceList"].append({"resourceName": "kvm", "deviceType": "devNode", "allocationApi": "dra",
+                                     "count": 4, "selectors": {"paths": ["/dev/kvm"]}})
+    kvm_pool = f"{NODE}/intel.com/kvm"
+    with ApiServer(token=TOKEN, feature_gates={"DRADeviceTaints", "DRAConsumableCapacity"}) as api:
+        api.add_node(NODE)
+        dra_daemon(run_daemon, seam, short_tmp, document, "--kubeconfig", str(api.kubeconfig(short_tmp / "kc")))
+        (device,) = wait_published(api, {"kvm"}, pool=kvm_pool).values()
+        (stored,) = [d for s in api.slices(driver=DRIVER) for d in s["spec"]["devices"] if d["name"] == "kvm"]
+        assert stored["allowMultipleAllocations"] is True and stored["capacity"]["shares"]["value"] == "4"
+        dra_kubelet.wait_for_dra(DRIVER)
+        refs = []
+        for name, share_id in (("vm-a", "a1b2"), ("vm-b", "c3d4")):
+            result = {"request": "kvm", "driver": DRIVER, "pool": kvm_pool, "device": "kvm", "shareID": share_id}
+            refs.append(("default", api.put_claim("default", name, results=[result]), name))
+        answers = dra_kubelet.prepare(refs)
+        assert [[(d.device_name, d.share_id) for d in answers[ref[1]].devices] for ref in refs] == [
+            [("kvm", "a1b2")], [("kvm", "c3d4")]]
+        for ref, share_id in zip(refs, ("a1b2", "c3d4")):
+            api.wait_until(lambda: status_devices(api, ref[2]) == [
+                {"driver": DRIVER, "pool": kvm_pool, "device": "kvm", "shareID": share_id}], 10, "the share's status")
+        dra_kubelet.unprepare(refs[:1])
+        api.wait_until(lambda: status_devices(api, "vm-a") == [], 10, "the first share's status gone")
+        assert [r for r in api.requests if r.status == 422] == []
+        assert api.internal_errors == []
+        assert device["id"] == {"string": "kvm"}

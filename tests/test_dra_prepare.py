@@ -275,6 +275,52 @@ async def test_devnode_claim_gets_the_node(node: Node) -> None:
     assert device["containerEdits"]["deviceNodes"] == [{"path": "/dev/kvm", "permissions": "rw"}]
 
 
+# -- shared devices (KEP-5075): one device, many claims, a share each --------------------------
+def share(request: str = "req", share_id: str = "s-1", consumed: str | None = None) -> dict[str, Any]:
+    """A result naming the shared /dev/kvm (published as one device ``kvm``) with its share ID."""
+    entry = {"request": request, "driver": DRIVER, "pool": pool_name(NODE, KVM), "device": "kvm", "shareID": share_id}
+    if consumed is not None:
+        entry["consumedCapacity"] = {"shares": consumed}
+    return entry
+
+
+async def test_two_claims_share_one_device_each_with_its_share_and_unprepare_frees_that_share(node: Node) -> None:
+    first = node.api.add(claim_json(1, "vm-a", [share(share_id="aaaa")]))
+    second = node.api.add(claim_json(2, "vm-b", [share(share_id="bbbb")]))
+    answers = await node.prepare(first, second)
+    (a,), (b,) = answers[uid(1)].devices, answers[uid(2)].devices
+    # each answered with its result's share ID, each holding a share (a copy) of its own
+    assert (a.device_name, a.share_id, b.device_name, b.share_id) == ("kvm", "aaaa", "kvm", "bbbb")
+    assert a.device_id != b.device_id and {a.device_id, b.device_id} <= {"kvm-0", "kvm-1", "kvm-2"}
+    for n in (1, 2):
+        (device,) = node.spec(uid(n))["devices"]
+        assert device["containerEdits"]["deviceNodes"] == [{"path": "/dev/kvm", "permissions": "rw"}]
+    # the third share goes to a third claim; a fourth has none left and is refused, naming why
+    third = node.api.add(claim_json(3, "vm-c", [share(share_id="cccc")]))
+    assert (await node.prepare_one(third)).error is None
+    fourth = node.api.add(claim_json(4, "vm-d", [share(share_id="dddd")]))
+    refused = (await node.prepare_one(fourth)).error
+    assert "device 'kvm' of devices.kubevirt.io/kvm has 0 of its 3 shares free" in refused
+    assert "prepared for claim" in refused
+    # an unprepare frees its share for the next claim
+    await node.preparer.unprepare([first])
+    again = await node.prepare_one(fourth)
+    assert again.error is None and again.devices[0].device_id == a.device_id
+
+
+async def test_one_claim_may_hold_two_shares_of_a_device_and_consume_more_than_one(node: Node) -> None:
+    ref = node.api.add(claim_json(1, "vm", [share("one", "s-1"), share("two", "s-2", consumed="2")]))
+    answer = await node.prepare_one(ref)
+    assert [(d.share_id, d.request_names) for d in answer.devices] == [("s-1", ("one",)), ("s-2", ("two",)),
+                                                                       ("s-2", ("two",))]
+    assert sorted(d.device_id for d in answer.devices) == ["kvm-0", "kvm-1", "kvm-2"]
+    # one CDI device per share, named after it: no two alike in the spec
+    names = [device["name"] for device in node.spec(uid(1))["devices"]]
+    assert len(set(names)) == 3 and all(name.startswith(f"{uid(1)}-kvm-") for name in names)
+    bad = node.api.add(claim_json(2, "bad", [share(share_id="s-3", consumed="1.5")]))
+    assert "consumedCapacity shares '1.5' is not a whole number" in (await node.prepare_one(bad)).error
+
+
 async def test_request_names_lose_their_subrequest_and_repeats(node: Node) -> None:
     ref = node.api.add(claim_json(1, "vfs", [
         result(NET, NET_VFS[0], "nic/fast", admin=True), result(NET, NET_VFS[0], "nic/slow", admin=True),

@@ -8,11 +8,11 @@ Allocate writes (netDevice pools' device-info files).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
-from daemon.core import AllocationError, ContainerAllocation
+from daemon.core import AllocationError, ContainerAllocation, ResourcePool
 from daemon.core._allocation import HandlerFailed
 from daemon.core._handler import Hooks, allocate_container
 from daemon.core._tree import DeviceTree
@@ -25,19 +25,25 @@ from ._names import device_name, pool_name
 log = logging.getLogger("devplugd.dra")
 
 Allocations = list[tuple[list[Chosen], ContainerAllocation]]
+# a pool's shared devices: the shared device's ID -> its shares' IDs (DeviceSharer.shares)
+SharesOf = Callable[[ResourcePool], Mapping[str, Sequence[str]]]
 
 
 def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: Sequence[AllocationResult],
-           before_loss: bool, holder: HolderLookup) -> list[Chosen]:
-    """Each device of the results (one per device: its requests merged), checked by the one
-    rule; ClaimRefused names the first that cannot be had."""
+           before_loss: bool, holder: HolderLookup, shares_of: SharesOf = lambda pool: {}) -> list[Chosen]:
+    """Each device of the results (one per device and share: its requests merged), checked by
+    the one rule; ClaimRefused names the first that cannot be had. A result naming a shared
+    device (published as one device with many shares, ``shares_of``) gets as many of its
+    shares as it consumed, the first the rule lets this claim have."""
     pools = {pool_name(node, resource): pool for resource, pool in tree.pools.items()}
     names: dict[str, dict[str, str]] = {}  # pool name -> device name -> device ID
-    merged: dict[tuple[str, str], list[AllocationResult]] = {}
+    shared: dict[str, dict[str, Sequence[str]]] = {}  # pool name -> shared device's name -> its shares
+    taken: set[tuple[str, str]] = set()  # (resource, share ID) given to this claim already
+    merged: dict[tuple[str, str, str | None], list[AllocationResult]] = {}
     for result in results:
-        merged.setdefault((result.pool, result.device), []).append(result)
+        merged.setdefault((result.pool, result.device, result.share_id), []).append(result)
     chosen: list[Chosen] = []
-    for (pool_label, name), device_results in merged.items():
+    for (pool_label, name, share_id), device_results in merged.items():
         pool = pools.get(pool_label)
         if pool is None:
             raise ClaimRefused(f"{ref.label}: pool {pool_label!r} is not a pool of this node ({node})")
@@ -50,16 +56,31 @@ def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: S
         if ids is None:
             ids = names[pool_label] = {device_name(device_id): device_id for device_id in pool.devices}
         device_id = ids.get(name)
-        if device_id is None:
-            raise ClaimRefused(f"{ref.label}: device {name!r} is not in pool {pool_label!r}")
-        if (why := refusal(pool, device_id, asker, holder)) is not None:
-            raise ClaimRefused(f"{ref.label}: device {name!r} ({device_id} of {pool.resource}) {why.predicate}")
+        if device_id is not None:
+            if (why := refusal(pool, device_id, asker, holder)) is not None:
+                raise ClaimRefused(f"{ref.label}: device {name!r} ({device_id} of {pool.resource}) {why.predicate}")
+            device_ids = [device_id]
+        else:
+            if pool_label not in shared:
+                shared[pool_label] = {device_name(base): ids for base, ids in shares_of(pool).items()}
+            shares = shared[pool_label].get(name)
+            if shares is None:
+                raise ClaimRefused(f"{ref.label}: device {name!r} is not in pool {pool_label!r}")
+            wanted = max(result.shares for result in device_results)
+            free = [i for i in shares if (pool.resource, i) not in taken and refusal(pool, i, asker, holder) is None]
+            if len(free) < wanted:
+                reasons = sorted({why.predicate for i in shares if (why := refusal(pool, i, asker, holder))})
+                raise ClaimRefused(f"{ref.label}: device {name!r} of {pool.resource} has {len(free)} of its "
+                                   f"{len(shares)} shares free, the claim consumes {wanted}; the others "
+                                   f"{'; '.join(reasons) or 'are taken by this claim already'}")
+            device_ids = free[:wanted]
+            taken.update((pool.resource, i) for i in device_ids)
         # the main requests: the pod spec and the kubelet know no subrequest (KEP-4816)
         requests = tuple(dict.fromkeys(result.main_request for result in device_results))
-        share_id = next((result.share_id for result in device_results if result.share_id), None)
-        device = PreparedDevice(pool.resource, device_id, pool_label, name, requests, admin_access,
-                                f"{cdi_kind}={ref.uid}-{name}", share_id)
-        chosen.append(Chosen(pool, device))
+        for device_id in device_ids:  # a share's CDI device is named after the share: unique in the claim
+            device = PreparedDevice(pool.resource, device_id, pool_label, name, requests, admin_access,
+                                    f"{cdi_kind}={ref.uid}-{device_name(device_id)}", share_id)
+            chosen.append(Chosen(pool, device))
     return chosen
 
 

@@ -72,6 +72,7 @@ class AllocationResult:
     device: str
     admin_access: bool
     share_id: str | None = None
+    shares: int = 1  # of a shared device: the shares it consumed (consumedCapacity's ``shares``)
 
     @property
     def main_request(self) -> str:
@@ -140,7 +141,7 @@ def driver_results(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list
         if share_id is not None and (not isinstance(share_id, str) or not share_id):
             raise malformed(f"{where}.shareID is not a non-empty string")
         results.append(AllocationResult(item["request"], item["pool"], item["device"], bool(admin_access),
-                                        share_id))
+                                        share_id, _consumed_shares(item, driver, where, malformed)))
     for index, entry in enumerate(_list(devices.get("config"), "status.allocation.devices.config", malformed)):
         where = f"status.allocation.devices.config[{index}]"
         entry = _object(entry, where, malformed)
@@ -161,6 +162,18 @@ def driver_results(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list
                                f"for {driver} (source {entry.get('source')}, {shown}) that applies to the "
                                f"result of request {applied.request}")
     return results
+
+
+def _consumed_shares(item: Mapping[str, Any], driver: str, where: str,
+                     malformed: Callable[[str], ClaimRefused]) -> int:
+    """The shares of a shared device a result consumed: its ``consumedCapacity`` of ``shares``
+    (the capacity our slices publish; 1 when it says none)."""
+    consumed = _object(item.get("consumedCapacity") or {}, f"{where}.consumedCapacity", malformed)
+    value = consumed.get("shares", consumed.get(f"{driver}/shares", "1"))
+    text = str(value)
+    if not text.isdigit() or int(text) < 1:
+        raise malformed(f"{where}.consumedCapacity shares {value!r} is not a whole number of shares")
+    return int(text)
 
 
 def _object(value: Any, where: str, malformed: Callable[[str], ClaimRefused]) -> Mapping[str, Any]:
@@ -194,6 +207,11 @@ class PreparedDevice:
     admin_access: bool
     cdi_id: str
     share_id: str | None = None
+
+    @property
+    def cdi_name(self) -> str:
+        """The device's name in its claim's CDI spec (``<claim UID>-<name>``)."""
+        return self.cdi_id.partition("=")[2]
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {

@@ -1,6 +1,7 @@
 """The CDI spec of each prepared claim: ``devplugd-claim-<claim UID>.json`` in the CDI directory.
 
-Kind ``<driver>/claim``, one CDI device ``<claim UID>-<device name>`` per device, holding its
+Kind ``<driver>/claim``, one CDI device ``<claim UID>-<device name>`` per device (per share of
+a shared device: named after the share), holding its
 device nodes and its request's env and mounts (the same on every device of the request, so a
 container that takes any of them has them; a device node no single device accounts for goes with
 the request's first device). Specs live in ``/var/run`` (a tmpfs, no fsync needed) as long as
@@ -26,6 +27,7 @@ from daemon.core._jsonpath import parse_json
 from daemon.files import write_atomically
 
 from ._claims import PreparedDevice
+from ._names import device_name
 
 
 @dataclass(frozen=True)
@@ -56,17 +58,16 @@ class ClaimSpecs:
             for item in items:
                 own = [spec for spec in item.pool.devices[item.device.device_id].specs if spec in allocated]
                 attributed.update(own)
-                own_specs[item.device.device_name] = own
+                own_specs[item.device.cdi_name] = own
             loose = [spec for spec in allocation.specs if spec not in attributed]
             for position, item in enumerate(items):
-                specs = own_specs[item.device.device_name] + (loose if position == 0 else [])
+                specs = own_specs[item.device.cdi_name] + (loose if position == 0 else [])
                 # the device's own env too, so that its edits are never empty (CDI refuses those)
                 env = {**allocation.envs, _device_env_name(item.device): item.device.device_id}
                 edits, needs = container_edits(specs, allocation.mounts, env)
                 needs_host_path |= needs
-                edits_of[item.device.device_name] = edits
-        devices = [{"name": f"{uid}-{item.device.device_name}", "containerEdits": edits_of[item.device.device_name]}
-                   for item in chosen]
+                edits_of[item.device.cdi_name] = edits
+        devices = [{"name": item.device.cdi_name, "containerEdits": edits_of[item.device.cdi_name]} for item in chosen]
         return {"cdiVersion": cdi_version(needs_host_path), "kind": self.kind, "devices": devices}
 
     def write(self, uid: str, spec: Mapping[str, Any]) -> None:
@@ -104,5 +105,6 @@ class ClaimSpecs:
 
 
 def _device_env_name(device: PreparedDevice) -> str:
-    """``DEVPLUGD_<RESOURCE>_<DEVICE NAME>``: set to the device's ID by its own CDI device."""
-    return f"{cdi_env_name(device.resource)}_{device.device_name.upper().replace('-', '_')}"
+    """``DEVPLUGD_<RESOURCE>_<DEVICE NAME>``: set to the device's ID by its own CDI device (a
+    share's name is its own: ``kvm-1``, not the shared ``kvm``)."""
+    return f"{cdi_env_name(device.resource)}_{device_name(device.device_id).upper().replace('-', '_')}"

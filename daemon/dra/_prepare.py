@@ -185,7 +185,7 @@ class ClaimPreparer:
         before_loss = await self._check_accounted(ref)
         results = driver_results(fetched, ref, self._driver)
         chosen = choose(self._tree(), self._node, self._specs.kind, ref, results, before_loss,
-                        self._holders or self._book_holder)
+                        self._holders or self._book_holder, self._shares_of)
         if not chosen:
             return PrepareResult()
         # held from the choice on, with no await between: a host lease granted while the
@@ -248,6 +248,10 @@ class ClaimPreparer:
     def _book_holder(self, pool: ResourcePool, device_id: str) -> Holder | None:
         """Without the daemon's holdings (alone, in a test): the claim book's word."""
         return self._claims.holders().get((pool.resource, device_id))
+
+    def _shares_of(self, pool: ResourcePool) -> Mapping[str, Sequence[str]]:
+        hooks = self._hooks.get(pool.handler)
+        return hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
 
     async def _rewrite_spec_if_missing(self, claim: PreparedClaim) -> None:
         if claim.cdi_spec is None or await trio.to_thread.run_sync(self.spec_path(claim.uid).exists):

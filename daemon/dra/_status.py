@@ -206,7 +206,11 @@ class ClaimStatusWriter:
         addresses = await trio.to_thread.run_sync(self._read_addresses, sorted(set(netdevs.values())),
                                                   limiter=self._limiter) if netdevs else {}
         entries: list[JsonObject] = []
+        listed: set[tuple[str, str, str | None]] = set()
         for index, device in enumerate(devices):
+            if (key := (device.pool_name, device.device_name, device.share_id)) in listed:
+                continue  # a result that consumed two shares of a device is one entry
+            listed.add(key)
             entry: JsonObject = {"driver": self._driver, "pool": device.pool_name, "device": device.device_name}
             if device.share_id is not None:
                 entry["shareID"] = device.share_id
