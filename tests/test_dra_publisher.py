@@ -863,6 +863,24 @@ async def test_the_taint_names_vanished_and_unnamed_causes_and_held_devices_stay
         assert (taint_gauge(running, "unhealthy"), taint_gauge(running, "vanished")) == (2, 1)
 
 
+async def test_a_pool_that_may_carry_taints_from_now_on_is_cut_again_in_slices_of_64_before_any_taint(
+    api_taints: ApiServer, tmp_path: Path
+) -> None:
+    api = api_taints
+    every = ids(130)
+    async with publishing(api.kubeconfig(tmp_path / "kubeconfig")) as running:
+        await running.settle(tree(pool("things", every, unhealthy_taint="omit")))
+        assert [len(s["spec"]["devices"]) for s in slices_of(api, "things")] == [128, 2]
+        # a reload says NoSchedule: no device is Unhealthy, no entry changes, but a taint must
+        # never land in a slice of 128 (the server refuses it): a new generation of 64s now
+        await running.settle(tree(pool("things", every, unhealthy_taint="NoSchedule")))
+        assert await wait_published(api, "things", every) == 2
+        assert [len(s["spec"]["devices"]) for s in slices_of(api, "things")] == [64, 64, 2]
+        await running.settle(tree(pool("things", sick(every, {"d00100": LOST}), unhealthy_taint="NoSchedule")))
+        assert list(taints_of(api, "things")) == ["d00100"]
+    assert [r for r in api.requests if r.status == 422] == []
+
+
 async def test_omit_leaves_an_unhealthy_device_out_in_slices_of_128(api_taints: ApiServer, tmp_path: Path) -> None:
     api = api_taints
     async with publishing(api.kubeconfig(tmp_path / "kubeconfig")) as running:

@@ -397,3 +397,25 @@ def test_what_needs_a_new_generation_is_not_done_in_place() -> None:
     assert slice_updates(mixed, [{"name": "a"}, {"name": "b"}]) is None
     assert slice_updates([], [{"name": "a"}]) is None
     assert _names(slice_updates(_on_server([]), [])) == {}  # an empty pool stays one empty slice
+
+
+def test_replacements_find_what_slice_updates_finds_for_changed_entries_and_nothing_else() -> None:
+    from daemon.dra._slices import replacements
+
+    devices = [{"name": f"d{i:04d}", "attributes": {}} for i in range(200)]
+    bodies = slice_bodies(driver=DRIVER, node_name="n", node_uid=None, pool_name="p", generation=1,
+                          devices=devices, max_devices=64)
+    for index, body in enumerate(bodies):
+        body["metadata"]["name"] = f"{index:05x}-s"
+    held = {body["metadata"]["name"]: body["spec"]["devices"] for body in bodies}
+    where = {device["name"]: name for name, listed in held.items() for device in listed}
+    changed = list(devices)
+    for index in (3, 70, 71, 199):  # a taint on four devices, in three slices
+        changed[index] = {**devices[index], "taints": [{"key": f"{DRIVER}/carrier-lost", "effect": "NoSchedule"}]}
+    fast = replacements(devices, changed, held, where)
+    assert fast == slice_updates(bodies, changed, 64, held)
+    assert fast is not None and sorted(fast) == ["00000-s", "00001-s", "00003-s"]
+    assert replacements(devices, devices, held, where) == {}
+    # a device gone, added or renamed is not a replacement: slice_updates decides
+    assert replacements(devices, changed[1:], held, where) is None
+    assert replacements(devices, [*changed[:-1], {"name": "e-new", "attributes": {}}], held, where) is None

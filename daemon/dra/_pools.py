@@ -69,11 +69,12 @@ class DraPools:
                 # for a server that drops consumable capacity: the shares as devices of their own
                 unshared = slice_devices(pool, self._driver, describer, taint_effect=effect,
                                          seen=self._seen_problems) if shares else None
-                if cached is not None and cached[1].devices == devices and cached[1].unshared == unshared:
+                max_devices = MAX_DEVICES_PER_SLICE if effect is None and not shares else MAX_TAINTED_DEVICES_PER_SLICE
+                if cached is not None and (cached[1].devices, cached[1].unshared, cached[1].max_devices) == (
+                        devices, unshared, max_devices):
                     pool_wanted = cached[1]  # the same devices: the same wanted pool, written or not
                 else:
-                    pool_wanted = WantedPool(resource, devices, tree.arrival, MAX_DEVICES_PER_SLICE if effect is None
-                                             and not shares else MAX_TAINTED_DEVICES_PER_SLICE, unshared)
+                    pool_wanted = WantedPool(resource, devices, tree.arrival, max_devices, unshared)
             kept[resource] = (pool, pool_wanted, memo)
             wanted[pool_name(self._node, resource)] = pool_wanted
         self._pools = kept

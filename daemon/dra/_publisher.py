@@ -41,7 +41,7 @@ from daemon.supervise import Backoff
 
 from ._gates import Fallbacks, dropped_gates
 from ._kube import ApiLink, Conflict, Invalid, Kube, KubeError, NotFound
-from ._slices import MAX_DEVICES_PER_SLICE, slice_bodies, slice_body, slice_updates
+from ._slices import MAX_DEVICES_PER_SLICE, replacements, slice_bodies, slice_body, slice_updates
 from ._taints import TaintCounts, TaintTimes
 from ._view import Complaints, JsonObject, SliceView, Written, slice_index, versions_of
 
@@ -224,7 +224,8 @@ class SlicePublisher:
         versions = versions_of(on_server)
         written = self._written.get(pool)
         if written is not None and written.versions == versions:
-            return written.devices == devices  # the same objects, where unchanged: fast
+            # the same objects, where unchanged: fast; slices cut for another cap are cut again
+            return written.devices == devices and written.largest() <= max_devices
         if not self._ours(pool, on_server) or slice_updates(on_server, devices, max_devices) != {}:
             return False
         self._written[pool] = Written(devices, on_server[0]["spec"]["pool"]["generation"], versions,
@@ -254,7 +255,12 @@ class SlicePublisher:
         existing = self._view.slices_of(pool)
         written = self._written.get(pool)
         held = written.slices if written is not None and written.versions == versions_of(existing) else None
-        updates = slice_updates(existing, devices, max_devices, held) if self._ours(pool, existing) else None
+        ours = self._ours(pool, existing)
+        # a taint or an attribute changed: found without looking at every device
+        replaced = replacements(written.devices, devices, held, written.where()) if (
+            ours and written is not None and held is not None and written.largest() <= max_devices) else None
+        updates = replaced if replaced is not None else slice_updates(existing, devices, max_devices, held) if (
+            ours) else None
         writes: list[tuple[JsonObject, JsonObject | None]]
         if updates is not None:
             generation = int(existing[0]["spec"]["pool"]["generation"])
@@ -296,7 +302,8 @@ class SlicePublisher:
         versions = versions_of(existing) if updates is not None else {}
         for (body, _), (name, version) in zip(writes, names):
             slices[name], versions[name] = body["spec"]["devices"], version
-        self._written[pool] = Written(devices, generation, versions, slices)
+        self._written[pool] = Written(devices, generation, versions, slices,
+                                      written.where() if replaced is not None and written is not None else None)
         log.info("DRA: pool %s generation %d: %d devices in %d slices (%d written%s)", pool, generation,
                  len(devices), count, len(writes), ", in place" if updates is not None else "",
                  extra={"EVENT": "dra", "DRA_POOL": pool})

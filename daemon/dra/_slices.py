@@ -138,3 +138,29 @@ def slice_updates(
     if len(lists) > 1 and any(not kept for kept in lists.values()):
         return None
     return {name: kept for name, kept in lists.items() if kept != current[name]}
+
+
+def replacements(previous: Sequence[Mapping[str, Any]], devices: Sequence[Mapping[str, Any]],
+                 held: Mapping[str, Sequence[Mapping[str, Any]]],
+                 where: Mapping[str, str]) -> dict[str, list[Mapping[str, Any]]] | None:
+    """``slice_updates``' answer without looking at every device, for the change a taint or an
+    attribute makes: ``devices`` are ``previous`` (what the slices ``held`` publish) with some
+    entries replaced by entries of the same name, each in the slice ``where`` says. ``None``
+    when the change is any other (a device added, gone, moved): ask ``slice_updates``."""
+    if len(previous) != len(devices):
+        return None
+    updates: dict[str, list[Mapping[str, Any]]] = {}
+    for old, new in zip(previous, devices):
+        if old is new:
+            continue
+        name = new["name"]
+        if old["name"] != name or (slice_name := where.get(name)) is None:
+            return None
+        kept = updates.get(slice_name)
+        if kept is None:
+            kept = updates[slice_name] = list(held[slice_name])
+        position = next((i for i, entry in enumerate(kept) if entry["name"] == name), None)
+        if position is None:
+            return None
+        kept[position] = new
+    return {slice_name: kept for slice_name, kept in updates.items() if kept != held[slice_name]}

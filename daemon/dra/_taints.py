@@ -49,13 +49,17 @@ class TaintTimes:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._sent: dict[str, dict[str, tuple[Mapping[str, Any], JsonObject]]] = {}
+        self._stamped: set[str] = set()  # pools stamped before: what the server has came from us
 
     def stamp(self, pool: str, devices: list[JsonObject],
               on_server: Callable[[], Mapping[str, Mapping[str, Any]]]) -> tuple[list[JsonObject], Counter[str]]:
         """``devices`` with their taints' times, and the count of tainted devices by cause.
         ``on_server`` gives the pool's devices on the server by name; it is asked only for a
-        taint this publisher has not sent before (after a restart: the last run's times)."""
+        taint of a pool this publisher has not stamped before (after a restart: the last run's
+        times); later, a taint it did not send is new."""
         known = self._sent.get(pool)
+        first = pool not in self._stamped
+        self._stamped.add(pool)
         if known is None and not any("taints" in device for device in devices):
             return devices, Counter()
         known = known or {}
@@ -72,7 +76,7 @@ class TaintTimes:
             if before is not None and before[0] is device:
                 entry = before[1]
             else:
-                if before is None and server is None:
+                if before is None and server is None and first:
                     server = on_server()
                 prior = before[1] if before is not None else (server or {}).get(name)
                 now = now or whole_seconds(self._clock())
@@ -90,6 +94,7 @@ class TaintTimes:
 
     def forget(self, pool: str) -> None:
         self._sent.pop(pool, None)
+        self._stamped.discard(pool)
 
 
 class TaintCounts:

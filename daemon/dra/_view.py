@@ -61,14 +61,25 @@ class Written:
     these (an unchanged device is the same object, compared in no time) instead of the server's
     copies (4096 devices compared field by field: tens of milliseconds)."""
 
-    __slots__ = ("devices", "generation", "slices", "versions")
+    __slots__ = ("_where", "devices", "generation", "slices", "versions")
 
     def __init__(self, devices: list[JsonObject], generation: int, versions: dict[str, str],
-                 slices: dict[str, list[Mapping[str, Any]]]) -> None:
+                 slices: dict[str, list[Mapping[str, Any]]], where: dict[str, str] | None = None) -> None:
         self.devices = devices
         self.generation = generation
         self.versions = versions
         self.slices = slices
+        self._where = where
+
+    def largest(self) -> int:
+        """The most devices one of the slices holds."""
+        return max((len(devices) for devices in self.slices.values()), default=0)
+
+    def where(self) -> dict[str, str]:
+        """Each device's slice, by device name (made once, then kept while the names stay)."""
+        if self._where is None:
+            self._where = {device["name"]: name for name, devices in self.slices.items() for device in devices}
+        return self._where
 
 
 def versions_of(slices: Sequence[JsonObject]) -> dict[str, str]:
