@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import trio
 
+from daemon._generated.drahealth.v1 import api_pb2 as health_v1
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as dra_health
 from daemon.core import UNHEALTHY, DeviceInfo, DeviceSpec
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
-from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, HealthReports
+from daemon.dra._health import HEALTH_TIMEOUT_SECONDS, RESEND_INTERVAL, VANISHED_MESSAGE, HealthReports, message_bytes
 from tests.drasockets import DRIVER, NODE, DraRig, serving_dra
 from tests.kubelet import DRA_HEALTH_VERSIONS
 from tests.trees import pool, tree
@@ -57,7 +58,7 @@ async def messages(rig: DraRig, count: int, timeout: float = 5.0) -> list[dict[t
 
 def test_the_report_names_pools_and_devices_as_the_slices_do():
     report = HealthReports(NODE).report(first_tree())
-    assert sorted((pool_id, device) for pool_id, devices in report.items() for device in devices) == sorted(
+    assert sorted((pool_id, device) for pool_id, part in report.items() for device in part.entries) == sorted(
         EVERY_DRA_DEVICE)
     assert key(X, PCI) == ("node1/example.com/x", "0000-3b-02-1")
     assert all(pool_id.startswith(f"{NODE}/") for pool_id in report)
@@ -70,12 +71,12 @@ def test_a_message_keeps_each_unchanged_devices_encoding_and_its_time():
     """One device's health changes: the message says so, the others' entries (and their
     last_updated_time: when their health last changed) are what they were."""
     reports = HealthReports(NODE)
-    first = reports.message(reports.report(first_tree()))
+    first = health_v1.NodeWatchResourcesResponse.FromString(message_bytes(reports.report(first_tree())))
     time.sleep(1.01)  # a second later: a new encoding would carry another time
     changed = tree(dra_pool(X, ["d1", PCI, "leased", "claimed", "held"], unhealthy=["d1"],
                             leased={"leased"}, claimed={"claimed"}, kubelet_held={"held"}),
                    dra_pool(Y, ["kvm-3"], unhealthy=["kvm-3"]), version=2)
-    second = reports.message(reports.report(changed))
+    second = health_v1.NodeWatchResourcesResponse.FromString(message_bytes(reports.report(changed)))
     def by_device(message):
         return {(d.device.pool_name, d.device.device_name): d for d in message.devices}
     before, after = by_device(first), by_device(second)
@@ -216,3 +217,25 @@ async def test_a_kubelet_without_the_health_gate_opens_no_stream_until_asked(sho
 
 def test_health_statuses_are_the_kubelets_numbers():
     assert (dra_health.UNKNOWN, dra_health.HEALTHY, dra_health.UNHEALTHY) == (0, 1, 2)
+
+
+def test_a_report_made_from_the_last_one_says_what_a_fresh_one_says():
+    """Changed records, a device vanishing with the same record, devices coming and going: the
+    part of a pool made from its last part (only changed devices looked at) is what a report
+    made from nothing says, and its message carries every device once."""
+    reports = HealthReports(NODE)
+    first = dra_pool(X, ["d1", "d2", "d3"])
+    trees_in_turn = [
+        tree(first, version=1),
+        tree(dra_pool(X, first.devices, unhealthy=["d2"]), version=2),
+        tree(dra_pool(X, first.devices, vanished={"d3"}), version=3),  # the same records, d3 vanished
+        tree(dra_pool(X, ["d1", "d4"]), version=4),
+        tree(dra_pool(X, ["d1", "d4"]), dra_pool(Y, ["kvm-3"], unhealthy=["kvm-3"]), version=5),
+    ]
+    for offered in trees_in_turn:
+        made = reports.report(offered)
+        fresh = HealthReports(NODE).report(offered)
+        assert {k: part.entries for k, part in made.items()} == {k: part.entries for k, part in fresh.items()}
+        sent = health_v1.NodeWatchResourcesResponse.FromString(message_bytes(made))
+        assert sorted((d.device.pool_name, d.device.device_name, d.health, d.message) for d in sent.devices) == sorted(
+            (k, name, status, message) for k, part in fresh.items() for name, (status, message) in part.entries.items())

@@ -35,12 +35,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-
-import grpc
+from dataclasses import dataclass
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
-from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
-from daemon.core import HEALTHY, ResourcePool
+from daemon.core import HEALTHY, DeviceInfo, ResourcePool
 from daemon.core._notifier import MailboxClosed, Notifier, TreeStream, devices_scope
 from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.metrics import DRA_HEALTH, Metrics
@@ -54,66 +52,96 @@ HEALTH_TIMEOUT_SECONDS = 30  # the kubelet's DefaultHealthTimeout, stated rather
 RESEND_INTERVAL = 10.0
 VANISHED_MESSAGE = "the device is no longer on the host"
 
-# what one message says: per pool name, per device name, (HealthStatus, message)
-HealthReport = Mapping[str, Mapping[str, tuple[health.HealthStatus, str]]]
+Entry = tuple["health.HealthStatus", str]  # (HealthStatus, message) of one device
+
+
+@dataclass(frozen=True, eq=False)
+class PoolHealth:
+    """One DRA pool's part of a health message: each device's entry by device name, and the
+    part's encoding (each device framed as a ``devices`` element, joined). Never changed after
+    it is made: a stream may hold it while the next is made from it."""
+
+    pool: ResourcePool
+    names: Mapping[str, str]  # device ID -> device name
+    entries: Mapping[str, Entry]
+    encoded: Mapping[str, bytes]  # device name -> its framed DeviceHealth
+    body: bytes
+
+    def __eq__(self, other: object) -> bool:  # what a kubelet sees: the entries
+        return isinstance(other, PoolHealth) and (self.entries is other.entries or self.entries == other.entries)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# what one message says: per pool name, its part
+HealthReport = Mapping[str, PoolHealth]
+
+
+def _entry(device_id: str, info: DeviceInfo, vanished: frozenset[str]) -> Entry:
+    if device_id in vanished:
+        return health.UNHEALTHY, VANISHED_MESSAGE
+    return (health.HEALTHY, "") if info.health == HEALTHY else (health.UNHEALTHY, "")
+
+
+def _encoded(pool_id: str, device: str, entry: Entry, now: int) -> bytes:
+    return framed(1, health.DeviceHealth(
+        device=health.DeviceIdentifier(pool_name=pool_id, device_name=device), health=entry[0],
+        last_updated_time=now, health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
+        message=entry[1]).SerializeToString())
 
 
 class HealthReports:
     """The health of every device of every DRA pool of a tree, and the messages saying it.
     Shared by the streams (it is pure): a pool that is the same object as last time gives the
-    same report, and the devices of a changed one keep their names and encodings."""
+    same part; a changed one is its last part with the devices whose record changed made again
+    (a carrier flip in a pool of 4096 encodes one device)."""
 
     def __init__(self, node_name: str) -> None:
         self._node_name = node_name
-        self._pools: dict[str, tuple[ResourcePool, dict[str, tuple[health.HealthStatus, str]], dict[str, str]]] = {}
-        self._encoded: dict[tuple[str, str, health.HealthStatus, str], bytes] = {}
+        self._pools: dict[str, PoolHealth] = {}
 
     def report(self, tree: DeviceTree) -> HealthReport:
-        pools: dict[str, tuple[ResourcePool, dict[str, tuple[health.HealthStatus, str]], dict[str, str]]] = {}
+        pools: dict[str, PoolHealth] = {}
         for resource, pool in tree.pools.items():
             if pool.road != DRA_ROAD:
                 continue
-            cached = self._pools.get(resource)
-            if cached is not None and cached[0] is pool:
-                pools[resource] = cached
-                continue
-            known_names = cached[2] if cached is not None else {}
-            names = {device_id: known_names.get(device_id) or device_name(device_id) for device_id in pool.devices}
-            vanished = pool.vanished
-            pools[resource] = (pool, {
-                names[device_id]: ((health.UNHEALTHY, VANISHED_MESSAGE) if device_id in vanished
-                                   else (health.HEALTHY, "") if info.health == HEALTHY else (health.UNHEALTHY, ""))
-                for device_id, info in pool.devices.items()}, names)
+            last = self._pools.get(resource)
+            pools[resource] = last if last is not None and last.pool is pool else self._part(resource, pool, last)
         self._pools = pools
-        return {pool_name(self._node_name, resource): entries for resource, (_, entries, _) in sorted(pools.items())}
+        return {pool_name(self._node_name, resource): part for resource, part in sorted(pools.items())}
 
-    def message(self, report: HealthReport) -> health.NodeWatchResourcesResponse:
-        """The complete list of ``report``: each device's encoding kept while its entry is the
-        same, stamped with the time it was first encoded."""
-        known = self._encoded
-        encoded: dict[tuple[str, str, health.HealthStatus, str], bytes] = {}
-        now = 0
-        for pool_id, devices in report.items():
-            for device, (status, message) in devices.items():
-                key = (pool_id, device, status, message)
-                body = known.get(key)
-                if body is None:
-                    now = now or int(time.time())
-                    body = framed(1, health.DeviceHealth(
-                        device=health.DeviceIdentifier(pool_name=pool_id, device_name=device), health=status,
-                        last_updated_time=now, health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
-                        message=message).SerializeToString())
-                encoded[key] = body
-        self._encoded = encoded
-        response: health.NodeWatchResourcesResponse = health.NodeWatchResourcesResponse.FromString(
-            b"".join(encoded.values()))
-        return response
+    def _part(self, resource: str, pool: ResourcePool, last: PoolHealth | None) -> PoolHealth:
+        pool_id = pool_name(self._node_name, resource)
+        now = int(time.time())
+        if last is None or last.pool.devices.keys() != pool.devices.keys():  # devices came or went: all of it
+            known = last.names if last is not None else {}
+            names = {device_id: known.get(device_id) or device_name(device_id) for device_id in pool.devices}
+            entries = {names[i]: _entry(i, info, pool.vanished) for i, info in pool.devices.items()}
+            old_entries, old_encoded = (last.entries, last.encoded) if last is not None else ({}, {})
+            encoded = {name: old_encoded[name] if old_entries.get(name) == entry else
+                       _encoded(pool_id, name, entry, now) for name, entry in entries.items()}
+            return PoolHealth(pool, names, entries, encoded, b"".join(encoded.values()))
+        before, vanished_changed = last.pool.devices, last.pool.vanished ^ pool.vanished
+        changed = {i: info for i, info in pool.devices.items() if before[i] is not info or i in vanished_changed}
+        news = {last.names[i]: entry for i, info in changed.items()
+                if (entry := _entry(i, info, pool.vanished)) != last.entries[last.names[i]]}
+        if not news:  # nothing a kubelet sees changed
+            return PoolHealth(pool, last.names, last.entries, last.encoded, last.body)
+        entries, encoded = dict(last.entries), dict(last.encoded)
+        for name, entry in news.items():
+            entries[name], encoded[name] = entry, _encoded(pool_id, name, entry, now)
+        return PoolHealth(pool, last.names, entries, encoded, b"".join(encoded.values()))
+
+
+def message_bytes(report: HealthReport) -> bytes:
+    """The serialized ``NodeWatchResourcesResponse`` (v1alpha1 and v1 alike) of ``report``."""
+    return b"".join(part.body for part in report.values())
 
 
 def count_devices(report: HealthReport) -> tuple[int, int]:
     """(devices, unhealthy ones) of a report."""
-    return (sum(len(devices) for devices in report.values()),
-            sum(1 for devices in report.values() for status, _ in devices.values() if status != health.HEALTHY))
+    return (sum(len(part.entries) for part in report.values()),
+            sum(1 for part in report.values() for status, _ in part.entries.values() if status != health.HEALTHY))
 
 
 def _dra_pools_changed(old: DeviceTree, new: DeviceTree) -> bool:
@@ -129,8 +157,11 @@ def _dra_pools_changed(old: DeviceTree, new: DeviceTree) -> bool:
 HEALTH_SCOPE = devices_scope(_dra_pools_changed, lambda pool: pool.road == DRA_ROAD)
 
 
-class HealthServicer(health_grpc.DRAResourceHealthServicer):
-    """``v1alpha1.DRAResourceHealth`` for the DRA pools of ``notifier``'s trees on ``node_name``."""
+class HealthServicer:
+    """``DRAResourceHealth`` (v1alpha1 and v1: the same messages) for the DRA pools of
+    ``notifier``'s trees on ``node_name``. ``watch`` yields each message serialized: the sockets
+    send the bytes as they are under either name (``_sockets.py``), with no message made in
+    Python in between (for 4096 devices: 2 to 3 ms of every change saved)."""
 
     def __init__(self, notifier: Notifier, node_name: str, resend_interval: float = RESEND_INTERVAL,
                  metrics: Metrics | None = None) -> None:
@@ -146,11 +177,7 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
         for stream in tuple(self._streams):
             stream.close()
 
-    async def NodeWatchResources(
-        self,
-        request: health.NodeWatchResourcesRequest,
-        context: grpc.aio.ServicerContext[health.NodeWatchResourcesRequest, health.NodeWatchResourcesResponse],
-    ) -> AsyncIterator[health.NodeWatchResourcesResponse]:
+    async def watch(self) -> AsyncIterator[bytes]:
         first = self._notifier.tree
         loop = asyncio.get_running_loop()
         with self._notifier.stream(HEALTH_SCOPE, first) as stream, \
@@ -160,7 +187,7 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
                 reports = self._reports
                 report = reports.report(first)
                 log.info("kubelet watches DRA device health: %d devices", count_devices(report)[0])
-                yield reports.message(report)
+                yield message_bytes(report)
                 resend_at = loop.time() + self._resend_interval
                 while True:
                     tree = await stream.next(resend_at - loop.time())
@@ -173,7 +200,7 @@ class HealthServicer(health_grpc.DRAResourceHealthServicer):
                         report = new_report
                     elif loop.time() < resend_at:
                         continue
-                    yield reports.message(report)
+                    yield message_bytes(report)
                     resend_at = loop.time() + self._resend_interval
             except MailboxClosed:
                 return

@@ -3,8 +3,9 @@
 * ``<dra_plugin_dir>/<driver>/dra.sock``: the kubelet's DRA services, ``DRAPlugin`` v1,
   ``DRAPlugin`` v1beta1 (for 1.32 and 1.33 kubelets: an adapter that converts each message to its
   v1 twin through its wire form, the field numbers being the same, and calls the one v1
-  servicer) and ``DRAResourceHealth`` v1 and v1alpha1 (one servicer: v1 is an adapter in front
-  of it, the messages being the same; a 1.37 kubelet picks v1, a 1.36 one knows only v1alpha1);
+  servicer) and ``DRAResourceHealth`` v1 and v1alpha1 (one stream of serialized messages sent as
+  they are under either name, the messages being the same; a 1.37 kubelet picks v1, a 1.36 one
+  knows only v1alpha1);
 * ``<plugins_registry_dir>/<driver>-reg.sock``: ``pluginregistration.Registration``, which the
   kubelet's plugin watcher finds; its GetInfo names dra.sock as the endpoint.
 
@@ -44,10 +45,7 @@ from daemon._generated.dra.v1 import api_pb2 as dra_v1
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from daemon._generated.dra.v1beta1 import api_pb2 as dra_v1beta1
 from daemon._generated.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
-from daemon._generated.drahealth.v1 import api_pb2 as health_v1
-from daemon._generated.drahealth.v1 import api_pb2_grpc as health_v1_grpc
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health_v1alpha1
-from daemon._generated.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from daemon._generated.pluginregistration.v1 import api_pb2 as reg
 from daemon._generated.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from daemon.holdings import WriteGate, WritesClosed
@@ -152,8 +150,8 @@ class GatedPlugin(dra_v1_grpc.DRAPluginServicer):
             await refuse(context, grpc.StatusCode.UNAVAILABLE, str(closed))
 
 
-class GatedHealth(health_grpc.DRAResourceHealthServicer):
-    """The health servicer while this instance is active; once it has handed over, a stream that
+class GatedHealth:
+    """The health stream while this instance is active; once it has handed over, a stream that
     sends nothing and stays open until the server stops (an ended stream would clear the
     kubelet's health cache of the driver, which the active instance fills, every 5 s)."""
 
@@ -161,33 +159,28 @@ class GatedHealth(health_grpc.DRAResourceHealthServicer):
         self._health = health
         self._gate = gate
 
-    async def NodeWatchResources(
-        self,
-        request: health_v1alpha1.NodeWatchResourcesRequest,
-        context: grpc.aio.ServicerContext[health_v1alpha1.NodeWatchResourcesRequest,
-                                          health_v1alpha1.NodeWatchResourcesResponse],
-    ) -> AsyncIterator[health_v1alpha1.NodeWatchResourcesResponse]:
+    async def NodeWatchResources(self, request: object, context: object) -> AsyncIterator[bytes]:
+        """(either version's method) Each message serialized, sent as it is."""
         if self._gate.closed is not None:
             await asyncio.Event().wait()  # until the call is cancelled
-        async for message in self._health.NodeWatchResources(request, context):
+        async for message in self._health.watch():
             yield message
 
 
-class HealthV1Adapter(health_v1_grpc.DRAResourceHealthServicer):
-    """``DRAResourceHealth`` v1 (a 1.37 kubelet's choice) in front of the v1alpha1 servicer: the
-    same messages under the other package name, so either name gets the same stream."""
+HEALTH_SERVICES = ("v1alpha1.DRAResourceHealth", "v1.DRAResourceHealth")
 
-    def __init__(self, v1alpha1: health_grpc.DRAResourceHealthServicer) -> None:
-        self._v1alpha1 = v1alpha1
 
-    async def NodeWatchResources(
-        self,
-        request: health_v1.NodeWatchResourcesRequest,
-        context: grpc.aio.ServicerContext[health_v1.NodeWatchResourcesRequest, health_v1.NodeWatchResourcesResponse],
-    ) -> AsyncIterator[health_v1.NodeWatchResourcesResponse]:
-        async for message in self._v1alpha1.NodeWatchResources(
-                convert(request, health_v1alpha1.NodeWatchResourcesRequest), cast(Any, context)):
-            yield convert(message, health_v1.NodeWatchResourcesResponse)
+def _as_is(message: bytes) -> bytes:
+    return message
+
+
+def add_health_services(health: GatedHealth, server: grpc.aio.Server) -> None:
+    """``NodeWatchResources`` under both names, its messages' bytes written as they are."""
+    handler = grpc.unary_stream_rpc_method_handler(
+        health.NodeWatchResources, request_deserializer=health_v1alpha1.NodeWatchResourcesRequest.FromString,
+        response_serializer=_as_is)
+    server.add_generic_rpc_handlers(tuple(grpc.method_handlers_generic_handler(service, {"NodeWatchResources": handler})
+                                          for service in HEALTH_SERVICES))
 
 
 @dataclass
@@ -320,8 +313,7 @@ class DraSockets:
         health = GatedHealth(self._health, self.gate)
         dra_v1_grpc.add_DRAPluginServicer_to_server(plugin, server)
         dra_v1beta1_grpc.add_DRAPluginServicer_to_server(V1beta1Adapter(plugin), server)
-        health_grpc.add_DRAResourceHealthServicer_to_server(health, server)
-        health_v1_grpc.add_DRAResourceHealthServicer_to_server(HealthV1Adapter(health), server)
+        add_health_services(health, server)
 
     def _add_registration(self, server: grpc.aio.Server) -> None:
         reg_grpc.add_RegistrationServicer_to_server(PluginRegistrationServicer(self._info, self._registration_status),
