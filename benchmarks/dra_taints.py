@@ -15,7 +15,12 @@ Issue 22's targets for device taints, measured against the real daemon process:
   feature gate ``DRADeviceTaints`` on: it keeps taints and validates as 1.37 does), whose
   listening socket is made inside the namespace (on the namespace's own loopback, set up there),
   and it registers with the kubelet stand-in (``tests/kubelet.py``) through ``plugins_registry``;
-  the stand-in follows the plugin's DRAResourceHealth stream (v1), as a 1.37 kubelet does.
+  the stand-in follows the plugin's DRAResourceHealth stream (v1), as a 1.37 kubelet does. The
+  kubelet stand-in runs in a process of its own (``benchmarks/_dra_kubelet.py``), as a real
+  kubelet does: in this process, its decoding of each 4096-device health message held the GIL
+  the API stand-in needed to handle and stamp the slice PUT sent at the same moment. It reports
+  each health message's arrival stamp (``time.monotonic()``, a system-wide clock), its size and
+  the VF's health in it over a pipe; the API stand-in stays in this process.
 
 (1) **carrier**: ``dvf0p`` down (``dvf0`` stays admin-up and loses its carrier: the VF is
     Unhealthy, ``devplugd.io/carrier-lost``), then up again. ``--samples`` (100) of each after
@@ -65,6 +70,7 @@ from benchmarks._common import (
     short_tmp,
 )
 from benchmarks._common import vf_address as sriov_vf_address
+from benchmarks._dra_kubelet import KubeletProcess
 from benchmarks._events import (
     KernelEventStamper,
     Netns,
@@ -99,7 +105,6 @@ from benchmarks.dra_common import (
 )
 from daemon.dra import device_name
 from tests.fakesysfs import FakeHost
-from tests.kubelet import FakeKubelet
 
 VFS = 4096
 PFS, PER_PF = 64, 64
@@ -139,24 +144,10 @@ def carries(name: str, tainted: bool) -> Callable[[Any], bool]:
     return check
 
 
-def health_of(kubelet: FakeKubelet, name: str, start: int, wanted: str) -> tuple[int, float] | None:
-    """The first health message at index ``start`` or later that reports the VF as ``wanted``:
-    (its index, its arrival stamp)."""
-    messages = kubelet.dra_state(DRIVER).health_messages
-    for index in range(start, len(messages)):
-        record = messages[index].get((POOL, name))
-        if record is not None and record.health == wanted:
-            return index, record.received_at
-    return None
-
-
-def forget_health(kubelet: FakeKubelet, upto: int) -> None:
-    """Drop the content of the stand-in's health messages before ``upto`` (4096 records each):
-    the list keeps its length, so indexes stay valid."""
-    messages = kubelet.dra_state(DRIVER).health_messages
-    for index in range(min(upto, len(messages))):
-        if messages[index]:
-            messages[index] = {}
+def health_of(kubelet: KubeletProcess, name: str, since: float, wanted: str) -> float | None:
+    """The arrival stamp of the first health message that arrived at ``since`` or later and
+    reports the VF as ``wanted``."""
+    return next((m.stamp for m in kubelet.messages_since(since) if m.health.get(name) == wanted), None)
 
 
 def put_of(handled: list[Handled], stamp: float) -> Handled | None:
@@ -167,7 +158,7 @@ def put_of(handled: list[Handled], stamp: float) -> Handled | None:
     return max(candidates, key=lambda r: r.start) if candidates else None
 
 
-def measure_carrier(api: StampedApiServer, kubelet: FakeKubelet, daemon: Daemon, rtnl: Rtnl,
+def measure_carrier(api: StampedApiServer, kubelet: KubeletProcess, daemon: Daemon, rtnl: Rtnl,
                     stamper: KernelEventStamper, peer: int, vf_index: int, cycles: int, gap: float,
                     timeout: float, follow_health: bool = True) -> dict[str, list[float]]:
     name = device_name(NETDEV_VF)
@@ -181,7 +172,6 @@ def measure_carrier(api: StampedApiServer, kubelet: FakeKubelet, daemon: Daemon,
             with api._cond:
                 writes_before, handled_before = len(api.writes), len(api.handled)
                 generation_before = next((w.generation for w in reversed(api.writes) if w.pool == POOL), -1)
-            health_before = len(kubelet.dra_state(DRIVER).health_messages)
             started, acked = rtnl.set_up(peer, up)
             check = carries(name, not up)
 
@@ -194,11 +184,11 @@ def measure_carrier(api: StampedApiServer, kubelet: FakeKubelet, daemon: Daemon,
             wanted = "Healthy" if up else "Unhealthy"
             if follow_health:
                 try:
-                    kubelet.wait_for(lambda k: health_of(k, name, health_before, wanted) is not None, timeout,
+                    kubelet.wait_for(lambda k: health_of(k, name, started, wanted) is not None, timeout,
                                      f"a health message with {name} {wanted}")
                 except AssertionError:
                     pass  # counted as missing
-            health = health_of(kubelet, name, health_before, wanted) if follow_health else None
+            health = health_of(kubelet, name, started, wanted) if follow_health else None
             kernel = stamper.first(started, ("link", vf_index, True, up))
             time.sleep(gap)
             with api._cond:
@@ -220,17 +210,15 @@ def measure_carrier(api: StampedApiServer, kubelet: FakeKubelet, daemon: Daemon,
                 if follow_health:
                     out["missing_health"].append(1)
             else:
-                out[f"{which}_health"].append(health[1] - started)
+                out[f"{which}_health"].append(health - started)
                 if kernel is not None:
-                    out[f"{which}_health_kernel"].append(health[1] - kernel)
-                messages = kubelet.dra_state(DRIVER).health_messages
-                out[f"{which}_extra_health"].append(len(messages) - health_before - 1)
+                    out[f"{which}_health_kernel"].append(health - kernel)
+                out[f"{which}_extra_health"].append(len(kubelet.messages_since(started)) - 1)
             pool_writes = [w for w in window if w.pool == POOL]
             out[f"{which}_writes"].append(len(pool_writes))
             out[f"{which}_kept"].append(float(all(w.kind == "MODIFIED" and w.generation == generation_before
                                                   for w in pool_writes)))
             out[f"{which}_incomplete"].append(incomplete)
-            forget_health(kubelet, len(kubelet.dra_state(DRIVER).health_messages) - 1)
             stamper.forget_before(started)
     return out
 
@@ -295,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     netns = Netns(unique_netns_name("dt"))
     with short_tmp() as base, host_tmp() as host_dir:
         api: StampedApiServer | None = None
-        kubelet: FakeKubelet | None = None
+        kubelet: KubeletProcess | None = None
         daemon: Daemon | None = None
         rtnl: Rtnl | None = None
         stamper: KernelEventStamper | None = None
@@ -318,24 +306,25 @@ def main(argv: list[str] | None = None) -> int:
                 api = StampedApiServer(feature_gates={"DRADeviceTaints"}).start()
             api.add_node(NODE)
             seam = Seam(base / "uevents.sock")
-            kubelet = FakeKubelet(base / "device-plugins", base / "plugins_registry", dra_health_gate=follow_health)
-            kubelet.start()
+            kubelet = KubeletProcess(PYTHON, base / "device-plugins", base / "plugins_registry", driver=DRIVER,
+                                     pool=POOL, watch=[device_name(NETDEV_VF)], health_stream=follow_health,
+                                     stderr_path=base / "kubelet.stderr")
             daemon = dra_daemon(base, host, config(), api, seam, env)
             daemon.arguments = [*netns.exec_prefix(), *daemon.arguments]
             daemon.start()
             seam.wait_ready(daemon)
             first = wait_generation(api, daemon, 0, lambda g: len(g.names) == VFS, 90,
                                     f"the pool published with {VFS} devices")
-            kubelet.wait_for_dra(DRIVER, timeout=30)
+            kubelet.wait_for_dra(timeout=30)
             name = device_name(NETDEV_VF)
             if follow_health:
-                kubelet.wait_for(lambda k: any(len(m) == VFS for m in k.dra_state(DRIVER).health_messages), 30,
+                kubelet.wait_for(lambda k: any(m.devices == VFS for m in k.health_messages), 30,
                                  f"a health message with all {VFS} devices")
-            stream = f"health stream {kubelet.dra_state(DRIVER).health_service} open" if follow_health \
+            stream = f"health stream {kubelet.health_service} open" if follow_health \
                 else "health stream NOT followed (--no-health-stream)"
             print(f"pool published (generation {first.generation}, {first.slices} slices) "
                   f"{first.stamp - daemon.started_mono:.2f} s after Popen; driver registered, {stream}; daemon pid "
-                  f"{daemon.pid}", flush=True)
+                  f"{daemon.pid}, kubelet stand-in pid {kubelet.pid} (its own process)", flush=True)
             stamper = KernelEventStamper(netns, PYTHON)
             time.sleep(0.3)
 
