@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kubernetes.client import ApiClient
 
-from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, ResourcePool
+from daemon.core import CARRIER_LOST, UNHEALTHY, AttributeValue, DeviceInfo, Fault, ResourcePool
 from daemon.core._names import dns_subdomain_problem
 from daemon.core._tree import DRA_ROAD
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
@@ -419,3 +419,26 @@ def test_replacements_find_what_slice_updates_finds_for_changed_entries_and_noth
     # a device gone, added or renamed is not a replacement: slice_updates decides
     assert replacements(devices, changed[1:], held, where) is None
     assert replacements(devices, [*changed[:-1], {"name": "e-new", "attributes": {}}], held, where) is None
+
+
+def test_a_memo_patched_for_a_few_changed_records_says_what_a_fresh_walk_says() -> None:
+    """Records changing one at a time (a taint coming and going, a NUMA node, a device turning
+    Unhealthy in a pool that leaves it out, a lease): the list made from the last one is the
+    list made from nothing, every step."""
+    base = {f"d{i:03d}": DeviceInfo(numa_nodes=(0,)) for i in range(40)}
+    lost = Fault(CARRIER_LOST, "ens1", "link ens1 is up without carrier")
+    steps = [
+        (dict(base), "NoSchedule", ()),
+        ({**base, "d007": DeviceInfo(health=UNHEALTHY, fault=lost)}, "NoSchedule", ()),
+        ({**base, "d007": DeviceInfo(health=UNHEALTHY, fault=lost), "d008": DeviceInfo(numa_nodes=(1,))},
+         "NoSchedule", ()),
+        ({**base, "d008": DeviceInfo(numa_nodes=(1,))}, "NoSchedule", ()),
+        ({**base, "d009": DeviceInfo(health=UNHEALTHY)}, None, ()),  # left out: the list is walked again
+        ({**base, "d009": DeviceInfo(health=UNHEALTHY)}, None, ("d010",)),  # a lease: another context
+        (dict(base), None, ("d010",)),
+    ]
+    memo = Memo()
+    for records, effect, leased in steps:
+        offered = replace(trees.pool(THINGS, records, road=DRA_ROAD), leased=frozenset(leased))
+        made = slice_devices(offered, DRIVER, None, taint_effect=effect, memo=memo)
+        assert made == slice_devices(offered, DRIVER, None, taint_effect=effect)

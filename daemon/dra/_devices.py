@@ -95,18 +95,26 @@ class _Problems:
         self.report(device_id, f"device {device_id}: attribute {key!r} left out of its ResourceSlice: {reason}")
 
 
+# a device as slice_devices last made it: its record, its taint (fault, effect), its entry (None: left out)
+Remembered = tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any] | None]
+
+
 class Memo:
     """What ``slice_devices`` made of one pool last time: per device, its record, its taint
     (the fault and the effect) and its entry (``None``: left out), and what the availability
     rule read of the pool besides the records (``context``). While the context is the same, a
     device whose record is the same object is what it was: neither the rule nor the describer
-    is asked again (a change to one VF of 4096 costs one entry, not 4096)."""
+    is asked again (a change to one VF of 4096 costs one entry, not 4096). ``output`` is the
+    last list made and ``position`` where each device's entry is in it: a change that only
+    replaces entries (a taint, an attribute) patches a copy of it."""
 
-    __slots__ = ("context", "entries")
+    __slots__ = ("context", "entries", "output", "position")
 
     def __init__(self) -> None:
         self.context: object = None
-        self.entries: dict[str, tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any] | None]] = {}
+        self.entries: dict[str, Remembered] = {}
+        self.output: list[dict[str, Any]] = []
+        self.position: dict[str, int] = {}
 
 
 def slice_devices(
@@ -157,12 +165,16 @@ def slice_devices(
     if problem := string_problem(pool.resource):
         problems.report("", f"no devices published: the resource name cannot be an attribute: {problem}")
         return []
+    context = (rule_context(pool), taint_effect)
+    same_context = memo is not None and memo.context == context
+    if memo is not None and same_context and not shares and (
+            patched := _patched(pool, memo, taint_effect, driver, describer, problems)) is not None:
+        return patched
     devices: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # device name -> the device ID that has it
-    context = (rule_context(pool), taint_effect)
+    position: dict[str, int] = {}
     known = memo.entries if memo is not None else {}
-    same_context = memo is not None and memo.context == context
-    remembered: dict[str, tuple[DeviceInfo, tuple[Fault, str] | None, dict[str, Any] | None]] = {}
+    remembered: dict[str, Remembered] = {}
     share_of = {share: shared for shared, ids in (shares or {}).items() for share in ids}
     shared_at: dict[str, int] = {}  # a shared device -> where in ``devices`` it goes
     for device_id, info in sorted(pool.devices.items()):
@@ -178,24 +190,18 @@ def slice_devices(
                 continue
             name = entry["name"]
         else:
-            taint: tuple[Fault, str] | None = None
-            if (refused := refusal(pool, device_id, SLICE_ASKS)) is not None:
-                if (taint_effect is None or refused.reason not in (UNHEALTHY, VANISHED)
-                        or holder_of(pool, device_id, SLICE_ASKS) is not None):
-                    remembered[device_id] = (info, None, None)
-                    continue
-                taint = (device_fault(pool, device_id, info), taint_effect)
-            if cached is not None and cached[0] is info and cached[1] == taint and cached[2] is not None:
-                entry = cached[2]
-            else:
-                entry = _entry(pool, device_id, info, taint, driver, describer, problems)
-            remembered[device_id] = (info, taint, entry)
+            made = remembered[device_id] = _made(pool, device_id, info, cached, taint_effect, driver, describer,
+                                                 problems)
+            entry = made[2]
+            if entry is None:
+                continue
             name = entry["name"]
         if name in names:
             problems.report(device_id, f"device {device_id} left out of its ResourceSlice: its name {name!r} "
                                        f"is the name of device {names[name]} already")
             continue
         names[name] = device_id
+        position[device_id] = len(devices)
         devices.append(entry)
     for shared, index in sorted(shared_at.items(), key=lambda item: -item[1]):  # from the end: indexes hold
         entry = _shared_entry(pool, shared, (shares or {})[shared], taint_effect, driver, describer, problems)
@@ -207,8 +213,48 @@ def slice_devices(
             continue
         devices.insert(index, entry)
     if memo is not None:
-        memo.context = context
-        memo.entries = remembered
+        memo.context, memo.entries = context, remembered
+        memo.output, memo.position = (devices, position) if not shared_at else ([], {})
+    return devices
+
+
+def _made(pool: ResourcePool, device_id: str, info: DeviceInfo, cached: Remembered | None, taint_effect: str | None,
+          driver: str, describer: DeviceDescriber | None, problems: _Problems) -> Remembered:
+    """One device asked of the rule and, when it is published, its entry (the last one when its
+    record and taint are the same)."""
+    taint: tuple[Fault, str] | None = None
+    if (refused := refusal(pool, device_id, SLICE_ASKS)) is not None:
+        if (taint_effect is None or refused.reason not in (UNHEALTHY, VANISHED)
+                or holder_of(pool, device_id, SLICE_ASKS) is not None):
+            return info, None, None
+        taint = (device_fault(pool, device_id, info), taint_effect)
+    if cached is not None and cached[0] is info and cached[1] == taint and cached[2] is not None:
+        return info, taint, cached[2]
+    return info, taint, _entry(pool, device_id, info, taint, driver, describer, problems)
+
+
+def _patched(pool: ResourcePool, memo: Memo, taint_effect: str | None, driver: str,
+             describer: DeviceDescriber | None, problems: _Problems) -> list[dict[str, Any]] | None:
+    """The last list with the entries of the devices whose record changed made again, when the
+    pool has the same devices and each is published (or left out) as before; ``None``: the full
+    walk is needed."""
+    known = memo.entries
+    if pool.devices.keys() != known.keys():
+        return None
+    changed = [(device_id, info) for device_id, info in pool.devices.items() if known[device_id][0] is not info]
+    if not changed:
+        return memo.output
+    devices = list(memo.output)
+    remembered = dict(known)
+    for device_id, info in changed:
+        made = _made(pool, device_id, info, known[device_id], taint_effect, driver, describer, problems)
+        where = memo.position.get(device_id)
+        if (made[2] is None) != (where is None):
+            return None  # joins or leaves the list (or was left out for its name): walk
+        if where is not None and made[2] is not None:
+            devices[where] = made[2]
+        remembered[device_id] = made
+    memo.entries, memo.output = remembered, devices
     return devices
 
 
