@@ -1,16 +1,15 @@
 """What the results of one claim get: the devices they name, each checked by the one
 availability rule (``choose``), and one allocation per request and pool (``allocate``).
 
-Both run for ``ClaimPreparer`` under its lock; neither writes anything but what a handler's
-Allocate writes (netDevice pools' device-info files).
+Both run for ``ClaimPreparer`` under its lock (``allocate`` in the worker thread that then writes
+the claim's CDI spec and checkpoint); neither writes anything but what a handler's Allocate
+writes (netDevice pools' device-info files).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-
-import trio
 
 from daemon.core import AllocationError, ContainerAllocation, ResourcePool
 from daemon.core._allocation import HandlerFailed
@@ -84,9 +83,9 @@ def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: S
     return chosen
 
 
-async def allocate(hooks_of: Mapping[str, Hooks], ref: ClaimRef, chosen: Sequence[Chosen]) -> Allocations:
-    """One allocation per (main) request and pool, with the devices it is for, in a worker
-    thread; ClaimRefused says what failed."""
+def allocate(hooks_of: Mapping[str, Hooks], ref: ClaimRef, chosen: Sequence[Chosen]) -> Allocations:
+    """(worker thread) One allocation per (main) request and pool, with the devices it is for;
+    ClaimRefused says what failed."""
     by_request: dict[tuple[str, str], list[Chosen]] = {}
     for item in chosen:
         request = item.device.request_names[0] if item.device.request_names else ""
@@ -99,7 +98,7 @@ async def allocate(hooks_of: Mapping[str, Hooks], ref: ClaimRef, chosen: Sequenc
             raise ClaimRefused(f"{ref.label}: {resource} has no handler {pool.handler!r}")
         device_ids = [item.device.device_id for item in items]
         try:
-            allocation = await trio.to_thread.run_sync(allocate_container, hooks, pool, device_ids)
+            allocation = allocate_container(hooks, pool, device_ids)
         except (AllocationError, OSError, HandlerFailed) as error:
             raise ClaimRefused(f"{ref.label}: allocating {', '.join(device_ids)} of {resource} failed: "
                                f"{error}") from error

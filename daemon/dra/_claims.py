@@ -367,6 +367,12 @@ class ClaimBook:
         fails, OSError) nothing."""
         await self._book.add(claim)
 
+    async def add_made(self, uid: str, make: Callable[[], PreparedClaim]) -> PreparedClaim:
+        """Write the claim ``make`` returns (reserved before; ``make`` runs in the worker thread
+        that writes the file, just before the write: ``DurableBook.add_made``). OSError: the
+        checkpoint could not be written; what ``make`` raises, as it is. Either way it holds nothing."""
+        return await self._book.add_made(uid, make)
+
     async def remove(self, uid: str) -> PreparedClaim | None:
         """Take the claim out of the file (``None``: it was not in it)."""
         return await self._book.remove(uid)

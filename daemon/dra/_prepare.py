@@ -19,16 +19,17 @@ Prepare, for each claim of a call:
    admin access, which takes the device from no one), not held by a lost book;
 4. for each request and pool, one ``allocate_container`` for the claim's devices of that
    request in that pool (``_choice.allocate``; so ``PCIDEVICE_*`` lists them all, as one
-   Allocate for one container would; netDevice pools write their device-info files), in a worker
-   thread. Per request, because a container gets the devices of its requests only: the claim
-   the scheduler makes for a pod's ``resources.limits`` (KEP-5004) has one request per
-   container, and each container must see its own VFs in ``PCIDEVICE_*``, never its
-   neighbour's. The request is the main one a container names: the results of a prioritized
-   list's subrequest (``nic/fast``, KEP-4816) are the devices of ``nic``, and the kubelet is
-   answered ``nic``;
+   Allocate for one container would; netDevice pools write their device-info files). Per
+   request, because a container gets the devices of its requests only: the claim the scheduler
+   makes for a pod's ``resources.limits`` (KEP-5004) has one request per container, and each
+   container must see its own VFs in ``PCIDEVICE_*``, never its neighbour's. The request is the
+   main one a container names: the results of a prioritized list's subrequest (``nic/fast``,
+   KEP-4816) are the devices of ``nic``, and the kubelet is answered ``nic``;
 5. the claim's CDI spec (``_claimspecs.py``);
-6. the checkpoint (``ClaimBook.add``), then the answer. If 5 or 6 fails, what was done is undone
-   (spec removed, side files released) and the claim's answer is the error.
+6. the checkpoint (``ClaimBook.add_made``), then the answer. 4, 5 and 6 run in one worker thread,
+   one after the other (one trip to a thread, not three: each costs a wake-up of a thread and
+   one of the event loop). If 4, 5 or 6 fails, what was done is undone (spec removed, side files
+   released) and the claim's answer is the error.
 
 Every claim gets an answer of its own: one claim's failure, whatever it is, never fails another.
 Unprepare removes the spec, the side files (those no other prepared claim shares) and the book
@@ -56,7 +57,7 @@ from typing import Any
 
 import trio
 
-from daemon.core import ContainerAllocation, ResourcePool
+from daemon.core import ResourcePool
 from daemon.core._handler import Hooks
 from daemon.core._tree import DeviceTree
 from daemon.holdings import Holder, HolderLookup
@@ -137,9 +138,12 @@ class ClaimPreparer:
         refs = list({ref.uid: ref for ref in claims}.values())
         wanted = [ref for ref in refs if _UID.fullmatch(ref.uid) and self._claims.prepared(ref.uid) is None]
         fetched: dict[str, Mapping[str, Any] | str] = {}
-        async with trio.open_nursery() as nursery:
-            for ref in wanted:
-                nursery.start_soon(self._fetch, ref, fetched)
+        if len(wanted) == 1:  # the usual call: no nursery to start and wait for
+            await self._fetch(wanted[0], fetched)
+        elif wanted:
+            async with trio.open_nursery() as nursery:
+                for ref in wanted:
+                    nursery.start_soon(self._fetch, ref, fetched)
         answers: dict[str, PrepareResult] = {}
         async with self._lock:
             with trio.CancelScope(shield=True):
@@ -192,8 +196,11 @@ class ClaimPreparer:
         # allocation runs in its thread must not get these devices
         self._claims.reserve(PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen)))
         try:
-            allocations = await allocate(self._hooks, ref, chosen)
-            claim = await self._record(ref, chosen, allocations)
+            claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen))
+        except OSError as error:
+            self._claims.unreserve(ref.uid)
+            await self._undo(ref.uid, chosen)
+            raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
         except Exception:
             self._claims.unreserve(ref.uid)
             await self._undo(ref.uid, chosen)
@@ -207,20 +214,16 @@ class ClaimPreparer:
         self._on_change(f"{ref.label} prepared")
         return PrepareResult(devices=claim.devices)
 
-    async def _record(self, ref: ClaimRef, chosen: Sequence[Chosen],
-                      allocations: Sequence[tuple[list[Chosen], ContainerAllocation]]) -> PreparedClaim:
-        """Write the claim's CDI spec, then its checkpoint entry."""
+    def _made(self, ref: ClaimRef, chosen: Sequence[Chosen]) -> PreparedClaim:
+        """(worker thread, the checkpoint's: ``ClaimBook.add_made``) Allocate the devices, write
+        the claim's CDI spec; the claim to checkpoint."""
+        allocations = allocate(self._hooks, ref, chosen)
         spec = self._specs.document(ref.uid, chosen, allocations)
-        claim = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec)
         try:
-            await trio.to_thread.run_sync(self._specs.write, ref.uid, spec)
+            self._specs.write(ref.uid, spec)
         except OSError as error:
             raise ClaimRefused(f"{ref.label}: cannot write its CDI spec {self.spec_path(ref.uid)}: {error}") from error
-        try:
-            await self._claims.add(claim)
-        except OSError as error:
-            raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
-        return claim
+        return PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec)
 
     async def _check_accounted(self, ref: ClaimRef) -> bool:
         """With a lost checkpoint, only the claims that were prepared before may be prepared (again)

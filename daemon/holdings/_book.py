@@ -172,15 +172,39 @@ class DurableBook(Generic[T]):
         key = self._key(record)
         if self._pending.get(key) is not record:
             self.reserve(record)
+        await self._add(key, lambda: record)
+
+    async def add_made(self, key: str, make: Callable[[], T]) -> T:
+        """Write the record ``make`` returns under ``key`` (reserved before: it holds the
+        devices meanwhile), and return it. ``make`` runs in the worker thread that writes the
+        file, just before the write, so what it does (a claim's allocation and CDI spec) costs no
+        trip of its own to a thread and is done before the record is on disk. On failure (what
+        ``make`` raises, OSError from the write) the key holds nothing."""
+        return await self._add(key, make)
+
+    async def _add(self, key: str, make: Callable[[], T]) -> T:
+        reserved = self._pending.get(key)
         try:
             async with self._write_lock:
-                await self._save({**self._on_disk, key: record})
+                records = await trio.to_thread.run_sync(self._make_and_write, dict(self._on_disk), key, make)
+                self._on_disk = records
         except BaseException:
             self._pending.pop(key, None)
             self._changed()
             raise
         self._pending.pop(key, None)
-        self._changes += 1  # the same holders, now on disk
+        record = records[key]
+        if reserved is None or list(self._held_by(reserved)) != list(self._held_by(record)):
+            self._changed()
+        else:
+            self._changes += 1  # the same holders, now on disk
+        return record
+
+    def _make_and_write(self, records: dict[str, T], key: str, make: Callable[[], T]) -> dict[str, T]:
+        """(worker thread)"""
+        records[key] = make()
+        self._write(records)
+        return records
 
     async def remove(self, key: str) -> T | None:
         """Take the record out of the file (``None``: it was not in it). OSError: not written,
@@ -195,13 +219,14 @@ class DurableBook(Generic[T]):
         return removed
 
     async def _save(self, records: dict[str, T]) -> None:
-        if self._lost is not None and self._lost.moved_to is None and self._path.exists():
-            # the unreadable file is still there: writing over it would lose what it holds
-            raise OSError(f"not overwriting {self._path}: {self._lost}")
         await trio.to_thread.run_sync(self._write, records)
         self._on_disk = records
 
     def _write(self, records: Mapping[str, T]) -> None:
+        """(worker thread)"""
+        if self._lost is not None and self._lost.moved_to is None and self._path.exists():
+            # the unreadable file is still there: writing over it would lose what it holds
+            raise OSError(f"not overwriting {self._path}: {self._lost}")
         self._path.parent.mkdir(parents=True, exist_ok=True)
         document = {"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]}
         write_atomically(self._path, json.dumps(document, indent=1, sort_keys=self._sort_keys).encode())
