@@ -8,7 +8,10 @@ kernel net driver, an SF: the handler's ``netdev`` attribute, as its ResourceSli
 as they are.
 
 Written in the background, never on Prepare's way: Prepare says what it wants (``prepared``,
-``unprepared``) and returns. One task per claim reads the claim (GET), puts our entries in place
+``unprepared``) and returns. One task per claim, ``START_DELAY`` after the wish (so that its
+calls, a worker thread building and parsing HTTP with the GIL held, start once the kubelet's
+answer is out, not while the daemon is sending it; a claim unprepared meanwhile is one write),
+reads the claim (GET), puts our entries in place
 of those there and writes the status back (PUT, with the resourceVersion it read as the
 precondition: a 409 is read again and retried at once, up to ``CONFLICT_RETRIES`` times in a
 row). Nothing is written when the claim says so already. Any other failure is logged (the first
@@ -42,6 +45,7 @@ from ._kube import Conflict, Kube, KubeError, NotFound
 
 log = logging.getLogger("devplugd.dra")
 
+START_DELAY = 0.005  # seconds from a claim's wish to its task's first write
 RETRY_FIRST = 0.5  # seconds before the first retry of a failed write, doubled each time
 RETRY_MAX = 30.0
 CONFLICT_RETRIES = 5
@@ -75,7 +79,8 @@ class ClaimStatusWriter:
 
     def __init__(self, driver: str, kube: Callable[[], Awaitable[Kube]], tree: Callable[[], DeviceTree],
                  hooks: Mapping[str, Hooks], sysfs_root: Path, metrics: Metrics | None = None, *,
-                 retry_first: float = RETRY_FIRST, retry_max: float = RETRY_MAX) -> None:
+                 retry_first: float = RETRY_FIRST, retry_max: float = RETRY_MAX,
+                 start_delay: float = START_DELAY) -> None:
         self._driver = driver
         self._kube = kube
         self._tree = tree
@@ -84,6 +89,7 @@ class ClaimStatusWriter:
         self._metrics = metrics or Metrics()
         self._retry_first = retry_first
         self._retry_max = retry_max
+        self._start_delay = start_delay
         self._wishes: dict[str, _Wish] = {}  # claim UID -> the newest wish not written yet
         self._working: set[str] = set()  # claim UIDs with a task
         self._nursery: trio.Nursery | None = None
@@ -130,6 +136,7 @@ class ClaimStatusWriter:
         backoff = Backoff(self._retry_first, self._retry_max)
         failures = 0
         try:
+            await trio.sleep(self._start_delay)
             while (wish := self._wishes.get(uid)) is not None:
                 try:
                     await self._write(wish)
