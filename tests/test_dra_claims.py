@@ -160,3 +160,52 @@ async def test_lost_book_never_writes_over_a_file_it_could_not_move_aside(state_
         await book.add(claim())
     assert (state_dir / CLAIMS_FILE).read_text() == "{ torn"
     assert book.holders() == {}
+
+
+async def test_add_made_writes_what_make_returns_in_the_writing_thread(state_dir: Path) -> None:
+    book = loaded(state_dir)
+    reserved = claim()
+    book.reserve(PreparedClaim(reserved.uid, reserved.namespace, reserved.name, reserved.devices))
+    made_in: list[str] = []
+
+    def make() -> PreparedClaim:
+        made_in.append(threading.current_thread().name)
+        assert not (state_dir / CLAIMS_FILE).exists()  # made before the write
+        return reserved
+
+    assert await book.add_made(UID_A, make) == reserved
+    assert made_in and made_in[0] != threading.main_thread().name
+    assert loaded(state_dir).prepared(UID_A) == reserved
+
+
+async def test_add_made_that_fails_holds_nothing_and_writes_nothing(state_dir: Path) -> None:
+    book = loaded(state_dir)
+    book.reserve(claim())
+
+    def make() -> PreparedClaim:
+        raise RuntimeError("the allocation failed")
+
+    with pytest.raises(RuntimeError):
+        await book.add_made(UID_A, make)
+    assert book.holders() == {} and book.prepared(UID_A) is None and not (state_dir / CLAIMS_FILE).exists()
+
+
+async def test_deferred_changes_are_told_once_after_the_delay_but_held_at_once(state_dir: Path) -> None:
+    book = loaded(state_dir)
+    told: list[float] = []
+    book.book.on_change = lambda: told.append(trio.current_time())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(book.book.defer_changes, 0.5)
+        started = trio.current_time()
+        book.reserve(claim())
+        assert book.holders() == {("intel.com/sriov_net", "0000:3b:02.0"): Holder(CLAIM, "default/a", UID_A)}
+        await book.add(claim())
+        book.book.notify()
+        assert told == []
+        await trio.sleep(0.7)
+        assert len(told) == 1 and told[0] - started >= 0.5
+        book.book.notify()
+        nursery.cancel_scope.cancel()
+    assert len(told) == 2  # the change due when it ended is told then
+    book.book.notify()
+    assert len(told) == 3  # and at once without it

@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("devplugd.dra")
 
+# seconds from a claim's reservation, write or removal to the ClaimsChanged that has a new tree
+# built: after the kubelet's answer is out (1-2 ms), not while it is made and sent
+CLAIMS_CHANGED_DELAY = 0.005
+
 
 class DraDriver:
     def __init__(
@@ -92,6 +96,11 @@ class DraDriver:
     def _changed(self, reason: str) -> None:
         self._post(ClaimsChanged(reason))
 
+    def _claim_changed(self, reason: str) -> None:
+        """The preparer's word (a claim prepared or unprepared): a change of the claim book, told
+        as its own are (deferred while the driver runs, ``CLAIMS_CHANGED_DELAY``)."""
+        self.claims.book.notify()
+
     def _on_server(self, pools: frozenset[str]) -> None:
         self.pools.on_server(pools)
 
@@ -118,7 +127,7 @@ class DraDriver:
         status = ClaimStatusWriter(settings.dra_driver, self.link.get, lambda: self._notifier.tree, self._hooks,
                                    settings.sysfs_root, self._metrics)
         preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, self.claims,
-                                 lambda: self._notifier.tree, self._hooks, self._get_claim, self._changed,
+                                 lambda: self._notifier.tree, self._hooks, self._get_claim, self._claim_changed,
                                  holders=self._holdings.holder, metrics=self._metrics, status=status)
         health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics)
         return preparer, status, health, DraSockets(settings, DraPluginServicer(preparer), health)
@@ -159,6 +168,7 @@ class DraDriver:
             self._follow_socket_dir(directory)
         try:
             async with trio.open_nursery() as nursery:
+                await nursery.start(self.claims.book.defer_changes, CLAIMS_CHANGED_DELAY)
                 await nursery.start(status.run)
                 await preparer.restore()
                 await nursery.start(sockets.run)

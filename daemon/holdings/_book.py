@@ -9,6 +9,12 @@ devices from the moment it is reserved (so no other road can get them), and a re
 removed holds them until the file no longer has it (so a crash cannot leave a device with two
 holders).
 
+Who is told of a change (``on_change``: a new tree is due) is told at once, or, while
+``defer_changes`` runs (the DRA driver runs it for the claim book), that long after it, one call
+for the changes meanwhile: a claim's reservation and its write then set off one tree build after
+the kubelet's answer is out, not two while it is being made and sent. What the book holds
+(``holders``, ``records``) changes at once either way: every road asks it, not the tree.
+
 A file that cannot be read is never taken as empty: that could hand a device to a second holder
 while the first still has it. It is moved aside (kept for the operator), logged once with its
 path and the reason, and the book is *lost* (``lost``): nobody can tell which devices it held,
@@ -68,6 +74,9 @@ class DurableBook(Generic[T]):
         self._changes = 0  # any change to what the book holds: reservations, writes, the lost state
         self._holders: tuple[int, Mapping[DeviceKey, Holder]] | None = None  # (at _changes, holders)
         self._lost: LostBook | None = None
+        self._notify_delay: float | None = None  # while defer_changes runs
+        self._notify_due = False
+        self._notify_wakeup = trio.Event()
 
     @property
     def path(self) -> Path:
@@ -154,7 +163,33 @@ class DurableBook(Generic[T]):
 
     def _changed(self) -> None:
         self._changes += 1
-        self.on_change()
+        if self._notify_delay is None:
+            self.on_change()
+        elif not self._notify_due:
+            self._notify_due = True
+            self._notify_wakeup.set()
+
+    def notify(self) -> None:
+        """Tell ``on_change`` (at once, or deferred as any change): who holds what changed."""
+        self._changed()
+
+    async def defer_changes(self, delay: float, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled, ``on_change`` is called ``delay`` seconds after a change, once for
+        the changes meanwhile (a change due when it ends is told then)."""
+        self._notify_delay = delay
+        task_status.started()
+        try:
+            while True:
+                await self._notify_wakeup.wait()
+                self._notify_wakeup = trio.Event()
+                await trio.sleep(delay)
+                self._notify_due = False
+                self.on_change()
+        finally:
+            self._notify_delay = None
+            if self._notify_due:
+                self._notify_due = False
+                self.on_change()
 
     # -- changing --------------------------------------------------------------------------------
     def reserve(self, record: T) -> None:
