@@ -1,9 +1,10 @@
 """What the results of one claim get: the devices they name, each checked by the one
-availability rule (``choose``), and one allocation per request and pool (``allocate``).
+availability rule (``choose``), one allocation per request and pool (``allocate``), and what releases
+their side files at Unprepare (``releaser``).
 
-Both run for ``ClaimPreparer`` under its lock (``allocate`` in the worker thread that then writes
-the claim's CDI spec and checkpoint); neither writes anything but what a handler's Allocate
-writes (netDevice pools' device-info files).
+They run for ``ClaimPreparer`` under its lock (``allocate`` and the release in the worker thread
+that writes the claim's CDI spec or removes it, and the checkpoint); none writes anything but
+what a handler's Allocate writes or releases (netDevice pools' device-info files).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from daemon.core._handler import Hooks, allocate_container
 from daemon.core._tree import DeviceTree
 from daemon.holdings import HolderLookup, claim_asks, refusal, road_refusal
 
-from ._claims import AllocationResult, ClaimRef, ClaimRefused, PreparedDevice
+from ._claims import AllocationResult, ClaimRef, ClaimRefused, PreparedClaim, PreparedDevice
 from ._claimspecs import Chosen
 from ._names import device_name, pool_name
 
@@ -107,3 +108,26 @@ def allocate(hooks_of: Mapping[str, Hooks], ref: ClaimRef, chosen: Sequence[Chos
                         ", ".join(sorted(allocation.annotations)), resource, extra={"RESOURCE": resource})
         allocations.append((items, allocation))
     return allocations
+
+
+def releaser(hooks_of: Mapping[str, Hooks], claims: Mapping[str, PreparedClaim], uid: str,
+             devices: Sequence[tuple[ResourcePool, PreparedDevice]]) -> Callable[[], None]:
+    """What releases the side files of ``devices`` of claim ``uid`` that no other prepared claim
+    (of ``claims``) shares, worked out now, to call in a worker thread; a handler that fails is
+    logged (a stale side file is rewritten by the next allocation)."""
+    shared = {(d.resource, d.device_id) for claim in claims.values() if claim.uid != uid for d in claim.devices}
+    by_pool: dict[str, tuple[ResourcePool, list[str]]] = {}
+    for pool, device in devices:
+        if (device.resource, device.device_id) not in shared:
+            by_pool.setdefault(pool.resource, (pool, []))[1].append(device.device_id)
+    work = [(resource, pool, device_ids, hooks.releaser) for resource, (pool, device_ids) in by_pool.items()
+            if (hooks := hooks_of.get(pool.handler)) is not None and hooks.releaser is not None]
+
+    def release() -> None:
+        for resource, pool, device_ids, handler in work:
+            try:
+                handler.release_side_files(pool, device_ids)
+            except Exception:
+                log.exception("handler %s failed to release the side files of %s of %s", pool.handler,
+                              ", ".join(device_ids), resource, extra={"RESOURCE": resource})
+    return release

@@ -373,9 +373,10 @@ class ClaimBook:
         checkpoint could not be written; what ``make`` raises, as it is. Either way it holds nothing."""
         return await self._book.add_made(uid, make)
 
-    async def remove(self, uid: str) -> PreparedClaim | None:
-        """Take the claim out of the file (``None``: it was not in it)."""
-        return await self._book.remove(uid)
+    async def remove(self, uid: str, before: Callable[[], None] | None = None) -> PreparedClaim | None:
+        """Take the claim out of the file (``None``: it was not in it); ``before`` runs first, in
+        the worker thread that writes it (``DurableBook.remove``)."""
+        return await self._book.remove(uid, before)
 
 
 def _held_by(claim: PreparedClaim) -> Iterator[tuple[tuple[str, str], Holder]]:

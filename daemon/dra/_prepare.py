@@ -33,12 +33,13 @@ Prepare, for each claim of a call:
 
 Every claim gets an answer of its own: one claim's failure, whatever it is, never fails another.
 Unprepare removes the spec, the side files (those no other prepared claim shares) and the book
-entry; an unknown claim is already unprepared. A claim the kubelet will never unprepare (its
-ResourceClaim gone from the API server, or replaced: ``_orphans.py``) is unprepared the same way
-(``release_orphans``). The claim's ``status.devices`` lists the devices of a prepared claim,
-and no more once it is unprepared, written in the background (``_status.py``): a write that
-fails never fails nor delays the answer. The work under the lock is shielded from cancellation
-(a kubelet that gives up mid-way), so a claim is never left half prepared.
+entry, in that order, in one worker thread; an unknown claim is already unprepared. A claim the
+kubelet will never unprepare (its ResourceClaim gone from the API server, or replaced:
+``_orphans.py``) is unprepared the same way (``release_orphans``). The claim's ``status.devices``
+lists the devices of a prepared claim, and no more once it is unprepared, written in the background
+(``_status.py``): a write that fails never fails nor delays the answer. The work under the lock is
+shielded from cancellation (a kubelet that gives up mid-way), so a claim is never left half
+prepared.
 
 With a lost book (its checkpoint could not be read) only the claims whose specs say they were
 prepared before may be prepared (again) until they are all unprepared: nobody knows which devices
@@ -63,7 +64,7 @@ from daemon.core._tree import DeviceTree
 from daemon.holdings import Holder, HolderLookup
 from daemon.metrics import Metrics
 
-from ._choice import allocate, choose
+from ._choice import allocate, choose, releaser
 from ._claims import (
     ClaimBook,
     ClaimNotFound,
@@ -89,6 +90,14 @@ class PrepareResult:
 
     devices: tuple[PreparedDevice, ...] = ()
     error: str | None = None
+
+
+class _SpecStays(Exception):
+    """An unprepared claim's CDI spec could not be removed (``error``): nothing else was done."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 GetClaim = Callable[[str, str], Awaitable[Mapping[str, Any]]]
@@ -197,13 +206,11 @@ class ClaimPreparer:
         self._claims.reserve(PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen)))
         try:
             claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen))
-        except OSError as error:
+        except Exception as error:
             self._claims.unreserve(ref.uid)
             await self._undo(ref.uid, chosen)
-            raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
-        except Exception:
-            self._claims.unreserve(ref.uid)
-            await self._undo(ref.uid, chosen)
+            if isinstance(error, OSError):  # the checkpoint's write (the spec's is a ClaimRefused)
+                raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
             raise
         if self._unaccounted:
             self._unaccounted.discard(ref.uid)
@@ -278,21 +285,7 @@ class ClaimPreparer:
     async def _release(self, uid: str, devices: Sequence[tuple[ResourcePool, PreparedDevice]]) -> None:
         """Release the side files of ``devices`` that no other prepared claim shares; a handler
         that fails is logged (a stale side file is rewritten by the next allocation)."""
-        shared = {(d.resource, d.device_id) for claim in self._claims.claims.values() if claim.uid != uid
-                  for d in claim.devices}
-        by_pool: dict[str, tuple[ResourcePool, list[str]]] = {}
-        for pool, device in devices:
-            if (device.resource, device.device_id) not in shared:
-                by_pool.setdefault(pool.resource, (pool, []))[1].append(device.device_id)
-        for resource, (pool, device_ids) in by_pool.items():
-            hooks = self._hooks.get(pool.handler)
-            if hooks is None or hooks.releaser is None:
-                continue
-            try:
-                await trio.to_thread.run_sync(hooks.releaser.release_side_files, pool, device_ids)
-            except Exception:
-                log.exception("handler %s failed to release the side files of %s of %s", pool.handler,
-                              ", ".join(device_ids), resource, extra={"RESOURCE": resource})
+        await trio.to_thread.run_sync(releaser(self._hooks, self._claims.claims, uid, devices))
 
     # -- unprepare -------------------------------------------------------------------------------
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
@@ -337,17 +330,28 @@ class ClaimPreparer:
         """Unprepare ``ref``; ``orphaned``: why the kubelet never will (logged, no status written)."""
         if not _UID.fullmatch(ref.uid):
             return None  # never prepared: no spec, no entry has such a UID
-        try:
-            await trio.to_thread.run_sync(self._specs.remove, ref.uid)
-        except OSError as error:
-            return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {error}"
         claim = self._claims.prepared(ref.uid)
-        if claim is not None:
-            tree = self._tree()
-            await self._release(ref.uid, [(tree.pools[d.resource], d) for d in claim.devices
-                                          if d.resource in tree.pools])
+        if claim is None:
             try:
-                await self._claims.remove(ref.uid)
+                await trio.to_thread.run_sync(self._specs.remove, ref.uid)
+            except OSError as error:
+                return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {error}"
+        else:
+            tree = self._tree()
+            release = releaser(self._hooks, self._claims.claims, ref.uid,
+                               [(tree.pools[d.resource], d) for d in claim.devices if d.resource in tree.pools])
+
+            def before() -> None:  # in the checkpoint's worker thread, before its write
+                try:
+                    self._specs.remove(ref.uid)
+                except OSError as error:
+                    raise _SpecStays(error) from error
+                release()
+
+            try:
+                await self._claims.remove(ref.uid, before=before)
+            except _SpecStays as stays:
+                return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {stays.error}"
             except OSError as error:
                 return f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}"
             if orphaned is None:

@@ -241,24 +241,26 @@ class DurableBook(Generic[T]):
         self._write(records)
         return records
 
-    async def remove(self, key: str) -> T | None:
+    async def remove(self, key: str, before: Callable[[], None] | None = None) -> T | None:
         """Take the record out of the file (``None``: it was not in it). OSError: not written,
-        it still holds its devices."""
+        it still holds its devices. ``before`` runs first, in the worker thread that writes the
+        file (what it raises: nothing written)."""
         async with self._write_lock:
             if key not in self._on_disk:
+                if before is not None:
+                    await trio.to_thread.run_sync(before)
                 return None
             updated = dict(self._on_disk)
             removed = updated.pop(key)
-            await self._save(updated)
+            await trio.to_thread.run_sync(self._write, updated, before)
+            self._on_disk = updated
         self._changed()
         return removed
 
-    async def _save(self, records: dict[str, T]) -> None:
-        await trio.to_thread.run_sync(self._write, records)
-        self._on_disk = records
-
-    def _write(self, records: Mapping[str, T]) -> None:
-        """(worker thread)"""
+    def _write(self, records: Mapping[str, T], before: Callable[[], None] | None = None) -> None:
+        """(worker thread) ``before`` first."""
+        if before is not None:
+            before()
         if self._lost is not None and self._lost.moved_to is None and self._path.exists():
             # the unreadable file is still there: writing over it would lose what it holds
             raise OSError(f"not overwriting {self._path}: {self._lost}")
