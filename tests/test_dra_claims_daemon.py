@@ -5,13 +5,12 @@ sockets, the fake sysfs."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from daemon.dra import device_name
+from tests import test_dra_daemon as daemon_tests
 from tests.apiserver import ApiServer
 from tests.daemonrun import DaemonProcess
 from tests.fakesysfs import FakeHost
@@ -19,35 +18,11 @@ from tests.kubelet import FakeKubelet
 from tests.seam import Seam, create_vfs
 from tests.test_dra_daemon import DRIVER, NODE, POOL, TOKEN, add_kvm, claim, config, dra_daemon, names, wait_published
 
+# the DRA daemon tests' fixtures: the API server, the kubelet stand-in, the daemon against both
+api, dra_kubelet, start_dra = daemon_tests.api, daemon_tests.dra_kubelet, daemon_tests.start_dra
+
 NET_POOL = f"{NODE}/intel.com/sriov-net"
 MAC = "3c:fd:fe:a0:0b:07"
-
-
-@pytest.fixture
-def api() -> Iterator[ApiServer]:
-    with ApiServer(token=TOKEN) as server:
-        server.add_node(NODE)
-        yield server
-    assert server.internal_errors == []
-
-
-@pytest.fixture
-def dra_kubelet(short_tmp: Path) -> Iterator[FakeKubelet]:
-    stand_in = FakeKubelet(short_tmp / "device-plugins", short_tmp / "plugins_registry")
-    stand_in.start()
-    yield stand_in
-    stand_in.close()
-
-
-@pytest.fixture
-def start_dra(run_daemon: Callable[..., DaemonProcess], seam: Seam, api: ApiServer, host: FakeHost,
-              short_tmp: Path) -> Callable[..., DaemonProcess]:
-    add_kvm(host)
-
-    def start(pools: dict[str, Any] | None = None) -> DaemonProcess:
-        kubeconfig = api.kubeconfig(short_tmp / "kubeconfig")
-        return dra_daemon(run_daemon, seam, short_tmp, pools or config(), "--kubeconfig", str(kubeconfig))
-    return start
 
 
 def with_net_pool() -> dict[str, Any]:
