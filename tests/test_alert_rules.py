@@ -180,7 +180,13 @@ def test_the_pod_monitor_scrapes_the_daemonsets_metrics_port_as_the_job_the_rule
     assert pod_labels[spec["jobLabel"]] == JOB
     (endpoint,) = spec["podMetricsEndpoints"]
     (container,) = pod["spec"]["containers"]
-    assert endpoint["port"] in [port["name"] for port in container["ports"]]
+    # no declared port to name (a hostPort would keep a rolling update's surge pod off the
+    # node): the pod's IP (the node's, under hostNetwork) at the port the daemon listens on
+    assert "ports" not in container and "port" not in endpoint and pod["spec"]["hostNetwork"] is True
+    listening = {arg.rpartition(":")[2] for arg in container["args"] if arg.startswith("--metrics-address=")}
+    assert listening == {str(container["livenessProbe"]["httpGet"]["port"])}
+    assert {"action": "replace", "sourceLabels": ["__meta_kubernetes_pod_ip"], "targetLabel": "__address__",
+            "replacement": f"$1:{listening.pop()}"} in endpoint["relabelings"]
     assert endpoint["path"] == "/metrics"
     assert {"action": "replace", "sourceLabels": ["__meta_kubernetes_pod_node_name"],
             "targetLabel": "instance"} in endpoint["relabelings"]
