@@ -34,6 +34,8 @@ from typing import Any
 
 from daemon.holdings import CLAIM, DurableBook, Holder, LostBook
 
+from ._devices import SHARES
+
 CLAIMS_FILE = "dra-claims.json"
 
 
@@ -169,7 +171,7 @@ def _consumed_shares(item: Mapping[str, Any], driver: str, where: str,
     """The shares of a shared device a result consumed: its ``consumedCapacity`` of ``shares``
     (the capacity our slices publish; 1 when it says none)."""
     consumed = _object(item.get("consumedCapacity") or {}, f"{where}.consumedCapacity", malformed)
-    value = consumed.get("shares", consumed.get(f"{driver}/shares", "1"))
+    value = consumed.get(SHARES, consumed.get(f"{driver}/{SHARES}", "1"))
     text = str(value)
     if not text.isdigit() or int(text) < 1:
         raise malformed(f"{where}.consumedCapacity shares {value!r} is not a whole number of shares")

@@ -218,16 +218,28 @@ def slice_devices(
     return devices
 
 
+LEFT_OUT = "left out"  # _published: the device is not in the slices
+
+
+def _published(pool: ResourcePool, device_id: str, info: DeviceInfo,
+               taint_effect: str | None) -> tuple[Fault, str] | str | None:
+    """Whether the rule puts a device in the slices: ``None`` (as it is), its taint (Unhealthy or
+    vanished, nothing else holding it, and the pool taints), or ``LEFT_OUT``."""
+    if (refused := refusal(pool, device_id, SLICE_ASKS)) is None:
+        return None
+    if (taint_effect is None or refused.reason not in (UNHEALTHY, VANISHED)
+            or holder_of(pool, device_id, SLICE_ASKS) is not None):
+        return LEFT_OUT
+    return device_fault(pool, device_id, info), taint_effect
+
+
 def _made(pool: ResourcePool, device_id: str, info: DeviceInfo, cached: Remembered | None, taint_effect: str | None,
           driver: str, describer: DeviceDescriber | None, problems: _Problems) -> Remembered:
     """One device asked of the rule and, when it is published, its entry (the last one when its
     record and taint are the same)."""
-    taint: tuple[Fault, str] | None = None
-    if (refused := refusal(pool, device_id, SLICE_ASKS)) is not None:
-        if (taint_effect is None or refused.reason not in (UNHEALTHY, VANISHED)
-                or holder_of(pool, device_id, SLICE_ASKS) is not None):
-            return info, None, None
-        taint = (device_fault(pool, device_id, info), taint_effect)
+    taint = _published(pool, device_id, info, taint_effect)
+    if isinstance(taint, str):
+        return info, None, None
     if cached is not None and cached[0] is info and cached[1] == taint and cached[2] is not None:
         return info, taint, cached[2]
     return info, taint, _entry(pool, device_id, info, taint, driver, describer, problems)
@@ -266,13 +278,10 @@ def _shared_entry(pool: ResourcePool, shared: str, share_ids: Sequence[str], tai
     offered: list[str] = []
     taint: tuple[Fault, str] | None = None
     for share in share_ids:
-        refused = refusal(pool, share, SLICE_ASKS)
-        if refused is None:
+        published = _published(pool, share, pool.devices[share], taint_effect)
+        if not isinstance(published, str):
             offered.append(share)
-        elif (taint_effect is not None and refused.reason in (UNHEALTHY, VANISHED)
-              and holder_of(pool, share, SLICE_ASKS) is None):
-            offered.append(share)
-            taint = taint or (device_fault(pool, share, pool.devices[share]), taint_effect)
+            taint = taint or published
     if not offered:
         return None
     entry = _entry(pool, offered[0], pool.devices[offered[0]], taint, driver, describer, problems)

@@ -253,8 +253,9 @@ class SlicePublisher:
         throughout); else at the next generation, every slice written back to back and the
         slices the new generation does not need deleted only once it is complete."""
         existing = self._view.slices_of(pool)
+        existing_versions = versions_of(existing)
         written = self._written.get(pool)
-        held = written.slices if written is not None and written.versions == versions_of(existing) else None
+        held = written.slices if written is not None and written.versions == existing_versions else None
         ours = self._ours(pool, existing)
         # a taint or an attribute changed: found without looking at every device
         replaced = replacements(written.devices, devices, held, written.where()) if (
@@ -272,8 +273,7 @@ class SlicePublisher:
             obsolete: list[JsonObject] = []
         else:
             generations = [int(s["spec"]["pool"].get("generation", 0)) for s in existing]
-            last = self._written.get(pool)
-            generation = max([*generations, last.generation if last is not None else 0]) + 1
+            generation = max([*generations, written.generation if written is not None else 0]) + 1
             bodies = self._bodies(pool, generation, devices, max_devices)
             count = len(bodies)
             # Each body goes into the slice whose name has its index (so the names keep sorting
@@ -299,7 +299,7 @@ class SlicePublisher:
             return False
         slices = {name: held[name] if held is not None else item["spec"].get("devices") or []
                   for name, item in by_name.items()} if updates is not None else {}
-        versions = versions_of(existing) if updates is not None else {}
+        versions = existing_versions if updates is not None else {}
         for (body, _), (name, version) in zip(writes, names):
             slices[name], versions[name] = body["spec"]["devices"], version
         self._written[pool] = Written(devices, generation, versions, slices,
