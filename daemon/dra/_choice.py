@@ -62,7 +62,7 @@ def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: S
             device_ids = [device_id]
         else:
             if pool_label not in shared:
-                shared[pool_label] = {device_name(base): ids for base, ids in shares_of(pool).items()}
+                shared[pool_label] = {device_name(base): share_ids for base, share_ids in shares_of(pool).items()}
             shares = shared[pool_label].get(name)
             if shares is None:
                 raise ClaimRefused(f"{ref.label}: device {name!r} is not in pool {pool_label!r}")
