@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from daemon.core import CARRIER_LOST, HEALTHY, UNHEALTHY, Fault, LinkChanged, LinkSnapshot, LinkState, Resync
+from daemon.core import HEALTHY, UNHEALTHY, Fault, LinkChanged, LinkSnapshot, LinkState, Resync
 from daemon.core._config import ConfigFileError
 from daemon.core._handler import Hooks
+from daemon.core._tree import CARRIER_LOST
 from daemon.dra import slice_devices
 from tests.auxpools import A_SFS, ALL, B_SFS, PF_A, PF_B, SF, AuxPools, pool, standard_tree
 from tests.fakesysfs import INFINIBAND, FakeHost

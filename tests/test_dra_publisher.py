@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import trio
 
-from daemon.core import CARRIER_LOST, UNHEALTHY, DeviceInfo, Fault, ResourcePool
+from daemon.core import UNHEALTHY, DeviceInfo, Fault, ResourcePool
 from daemon.core._handler import Hooks
-from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
+from daemon.core._tree import CARRIER_LOST, DEVICE_PLUGIN_ROAD, DRA_ROAD, WITHHELD_ROAD, DeviceTree
 from daemon.dra import _publisher
 from daemon.dra._kube import ApiLink, Kube
 from daemon.dra._pools import DraPools

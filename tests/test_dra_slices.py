@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from kubernetes.client import ApiClient
 
-from daemon.core import CARRIER_LOST, UNHEALTHY, AttributeValue, DeviceInfo, Fault, ResourcePool
+from daemon.core import UNHEALTHY, AttributeValue, DeviceInfo, Fault, ResourcePool
 from daemon.core._names import dns_subdomain_problem
-from daemon.core._tree import DRA_ROAD
+from daemon.core._tree import CARRIER_LOST, DRA_ROAD
 from daemon.dra import device_name, pool_name, qualified_name_problem, slice_bodies, slice_devices, string_problem
 from daemon.dra._devices import Memo
 from daemon.dra._slices import generate_name, slice_updates

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from daemon.core import (
-    CARRIER_LOST,
     HEALTHY,
     UNHEALTHY,
     Fault,
@@ -29,6 +28,7 @@ from daemon.core import (
     UEvent,
 )
 from daemon.core._config import DaemonConfig, parse_config
+from daemon.core._tree import CARRIER_LOST
 from daemon.handlers.pci import PciHandler
 from tests.fakesysfs import FakeHost
 

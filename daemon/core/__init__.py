@@ -44,7 +44,6 @@ from ._jsonpath import ConfigError, ConfigObject
 from ._names import device_list_env_name
 from ._sysfs import PathLike, SysfsError, link_name, list_dir, read_hex_id, read_int, read_text
 from ._tree import (
-    CARRIER_LOST,
     HEALTHY,
     PCIE_ERROR,
     UNHEALTHY,
@@ -53,11 +52,11 @@ from ._tree import (
     Fault,
     Mount,
     ResourcePool,
+    carrier_lost,
 )
 from ._udev import device_properties, read_uevent_file, set_by_udev
 
 __all__ = [
-    "CARRIER_LOST",
     "HEALTHY",
     "HEALTH_LOST",
     "HEALTH_RESTORED",
@@ -104,6 +103,7 @@ __all__ = [
     "SysfsError",
     "UEvent",
     "UseDefault",
+    "carrier_lost",
     "default_allocation",
     "device_list_env_name",
     "device_properties",

@@ -44,6 +44,11 @@ class Fault:
     reason: str = ""
 
 
+def carrier_lost(ifname: str) -> Fault:
+    """The fault of a watched link up without carrier, said one way whichever handler watches it."""
+    return Fault(CARRIER_LOST, ifname, f"link {ifname} is up without carrier")
+
+
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """A device node to expose in the container (cgroup permissions: any of r, w, m)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from daemon.core import CARRIER_LOST, HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec, Fault
+from daemon.core import HEALTHY, UNHEALTHY, ConfiguredPool, DeviceInfo, DeviceMap, DeviceSpec, Fault, carrier_lost
 from daemon.handlers._sriov_allocation import extra_info, rdma_specs_and_info, vhost_net_specs_and_info
 
 from ._discovery import AuxFacts, ParentPf, ScalableFunction
@@ -45,7 +45,7 @@ def fault(sf: ScalableFunction, facts: AuxFacts) -> Fault | None:
     state = facts.links.get(sf.netdev) if sf.netdev is not None else None
     if state is None or not state.carrier_lost or sf.netdev is None:
         return None
-    return Fault(CARRIER_LOST, sf.netdev, f"link {sf.netdev} is up without carrier")
+    return carrier_lost(sf.netdev)
 
 
 def unhealthy_reason(sf: ScalableFunction, facts: AuxFacts) -> str | None:

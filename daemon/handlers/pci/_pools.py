@@ -20,7 +20,6 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from daemon.core import (
-    CARRIER_LOST,
     HEALTHY,
     PCIE_ERROR,
     UNHEALTHY,
@@ -29,6 +28,7 @@ from daemon.core import (
     DeviceMap,
     Fault,
     LinkState,
+    carrier_lost,
 )
 from daemon.handlers._sriov_allocation import vhost_net_available
 
@@ -95,7 +95,7 @@ def fault(device: PciDevice, links: Mapping[str, LinkState], check_on_pf: bool,
     for ifname in watched:
         state = links.get(ifname)
         if state is not None and state.carrier_lost:
-            return Fault(CARRIER_LOST, ifname, f"link {ifname} is up without carrier")
+            return carrier_lost(ifname)
     return None
 
 
