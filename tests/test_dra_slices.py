@@ -442,3 +442,16 @@ def test_a_memo_patched_for_a_few_changed_records_says_what_a_fresh_walk_says() 
         offered = replace(trees.pool(THINGS, records, road=DRA_ROAD), leased=frozenset(leased))
         made = slice_devices(offered, DRIVER, None, taint_effect=effect, memo=memo)
         assert made == slice_devices(offered, DRIVER, None, taint_effect=effect)
+
+
+def test_a_claim_prepared_or_unprepared_changes_nothing_the_slices_say_and_the_memo_keeps_its_list() -> None:
+    """The slices do not count claims (a prepared device stays published): a pool that differs
+    only in what is claimed gives the same list, the very object, with no device asked again."""
+    pool = trees.pool(THINGS, ["kvm-0", "kvm-1"], road=DRA_ROAD)
+    describer = CountingDescriber()
+    memo = Memo()
+    first = slice_devices(pool, DRIVER, describer, memo=memo)  # type: ignore[arg-type]
+    describer.asked.clear()
+    claimed = slice_devices(replace(pool, claimed=frozenset({"kvm-1"})), DRIVER, describer,  # type: ignore[arg-type]
+                            memo=memo)
+    assert claimed is first and describer.asked == []

@@ -165,7 +165,7 @@ def slice_devices(
     if problem := string_problem(pool.resource):
         problems.report("", f"no devices published: the resource name cannot be an attribute: {problem}")
         return []
-    context = (rule_context(pool), taint_effect)
+    context = (rule_context(pool, SLICE_ASKS), taint_effect)
     same_context = memo is not None and memo.context == context
     if memo is not None and same_context and not shares and (
             patched := _patched(pool, memo, taint_effect, driver, describer, problems)) is not None:

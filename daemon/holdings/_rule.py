@@ -122,10 +122,14 @@ def refusal(pool: ResourcePool, device_id: str, asker: Asker, live: HolderLookup
     return Refusal(_HELD_REASONS[holder.kind], f"is held by {holder.describe()}", holder)
 
 
-def rule_context(pool: ResourcePool) -> tuple[object, ...]:
-    """Everything ``refusal`` reads of ``pool`` besides its devices' records (without live
-    holders): while it is equal, a device whose record is the same object gets the same answer."""
-    return (pool.resource, pool.road, pool.vanished, pool.leased, pool.claimed, pool.kubelet_held, pool.lost_book)
+def rule_context(pool: ResourcePool, asker: Asker) -> tuple[object, ...]:
+    """Everything ``refusal`` reads of ``pool`` for ``asker`` besides its devices' records
+    (without live holders): while it is equal, a device whose record is the same object gets the
+    same answer. A holding the asker does not count is left out (the slices do not count claims:
+    a claim prepared or unprepared changes nothing they say)."""
+    held = tuple(devices for kind, devices in ((LEASE, pool.leased), (CLAIM, pool.claimed),
+                                               (KUBELET, pool.kubelet_held)) if kind not in asker.ignored)
+    return (pool.resource, pool.road, pool.vanished, held, pool.lost_book)
 
 
 def holder_of(pool: ResourcePool, device_id: str, asker: Asker, live: HolderLookup | None = None) -> Holder | None:
