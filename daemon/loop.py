@@ -8,7 +8,8 @@ Everything waiting on the bus is handled as one batch, so a burst (256 VFs from 
   Resyncs the batch holds, before the batch's other events are folded;
 * a ``UEvent`` is folded into the facts of each handler whose ``subsystems`` include it
   (an empty set means every subsystem); link events go to handlers that set ``wants_links``;
-  a ``DeviceChanged`` goes to the handler that sent it. Only handlers the config gives pools
+  a ``DeviceChanged`` goes to the handler that sent it, a ``Lent`` (the parts DRA claims hold on
+  vfio-pci) to the handler it names. Only handlers the config gives pools
   scan and fold: the others' facts would serve nobody (a reload that gives one its first pool
   scans it then);
 * ``ConfigChanged`` reloads the config once per batch, validated by the running handlers; on
@@ -63,7 +64,7 @@ from daemon.core import (
     UEvent,
 )
 from daemon.core._config import ConfigFileError, DaemonConfig
-from daemon.core._events import CheckpointChanged, ClaimsChanged, ConfigChanged, LeasesChanged
+from daemon.core._events import CheckpointChanged, ClaimsChanged, ConfigChanged, LeasesChanged, Lent
 from daemon.core._handler import AnyHandler, tell_lifecycle
 from daemon.core._notifier import Notifier
 from daemon.core._tree import DRA_ROAD
@@ -124,6 +125,9 @@ class EventLoop:
         ]
         self._facts: dict[str, object] = {}
         self._built: dict[str, _Built] = {}
+        # the newest Lent per handler: folded again into a first scan (a handler given its first
+        # pool by a reload starts with no facts, and the claims still hold what they hold)
+        self._lent: dict[str, Lent] = {}
         self.first_tree_published = trio.Event()
 
     @property
@@ -223,6 +227,10 @@ class EventLoop:
                 outcomes = [await self._fold(name, event, in_thread=False) for name, handler in self._handlers.items()
                             if name in active and getattr(handler, "wants_links", False)]
                 changed |= self._count_kernel_event("rtnetlink", outcomes)
+            elif isinstance(event, Lent):
+                self._lent[event.handler] = event
+                if event.handler in active:
+                    changed |= await self._fold(event.handler, event, in_thread=False) == CHANGED
             elif isinstance(event, ConfigChanged):
                 reload_reasons.append(event.reason)
             elif isinstance(event, (LeasesChanged, ClaimsChanged)):
@@ -271,7 +279,9 @@ class EventLoop:
         self._metrics.resyncs.labels(name).inc()
         try:
             if facts is None:
-                self._facts[name] = await trio.to_thread.run_sync(handler.scan)
+                scanned = await trio.to_thread.run_sync(handler.scan)
+                lent = self._lent.get(name)
+                self._facts[name] = scanned if lent is None else handler.fold(scanned, lent)
             else:
                 self._facts[name] = await trio.to_thread.run_sync(handler.fold, facts, event)
         except Exception:

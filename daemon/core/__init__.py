@@ -9,8 +9,8 @@ author reads, and grows only with it.
 """
 
 from ._allocation import AllocationError, ContainerAllocation, UseDefault, default_allocation
-from ._config import ConfiguredPool, PoolEntry
-from ._events import DeviceChanged, Event, LinkChanged, LinkSnapshot, LinkState, Resync, UEvent
+from ._config import DRA_API, ConfiguredPool, PoolEntry
+from ._events import DeviceChanged, Event, Lent, LinkChanged, LinkSnapshot, LinkState, Resync, UEvent
 from ._explain import (
     LEFT_OUT,
     REFUSED,
@@ -27,6 +27,10 @@ from ._explain import (
 from ._handler import (
     HEALTH_LOST,
     HEALTH_RESTORED,
+    VFIO_BACKENDS,
+    VFIO_IOMMUFD,
+    VFIO_LEGACY,
+    VFIO_PREFER_IOMMUFD,
     Allocator,
     AttributeValue,
     ContainerPreStarter,
@@ -35,6 +39,8 @@ from ._handler import (
     DeviceSharer,
     Handler,
     HandlerContext,
+    Lender,
+    Loan,
     PoolLifecycle,
     PostAllocator,
     PreferredAllocator,
@@ -57,6 +63,7 @@ from ._tree import (
 from ._udev import device_properties, read_uevent_file, set_by_udev
 
 __all__ = [
+    "DRA_API",
     "HEALTHY",
     "HEALTH_LOST",
     "HEALTH_RESTORED",
@@ -65,6 +72,10 @@ __all__ = [
     "REFUSED",
     "TOOK",
     "UNHEALTHY",
+    "VFIO_BACKENDS",
+    "VFIO_IOMMUFD",
+    "VFIO_LEGACY",
+    "VFIO_PREFER_IOMMUFD",
     "AllocationError",
     "Allocator",
     "AttributeValue",
@@ -85,9 +96,12 @@ __all__ = [
     "Fault",
     "Handler",
     "HandlerContext",
+    "Lender",
+    "Lent",
     "LinkChanged",
     "LinkSnapshot",
     "LinkState",
+    "Loan",
     "Mismatch",
     "Mount",
     "Offered",

@@ -125,6 +125,21 @@ class ClaimsChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class Lent:
+    """Every part of a handler's devices that DRA claims hold on another driver than their own
+    (a PCI function rebound to vfio-pci for a claim that asked for it), each with the driver it
+    goes back to (``None``: it had none), as the claims' checkpoint says: the whole set each
+    time. The event loop folds it into that handler's facts alone; the handler judges a lent
+    part by the driver it goes back to, so the part stays the device of its pool while the
+    rebinding moves it through no driver and vfio-pci, and a pool that takes vfio-pci functions
+    does not get it."""
+
+    handler: str
+    parts: tuple[tuple[str, str | None], ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointChanged:
     """The kubelet's ``kubelet_internal_checkpoint`` was written, replaced or removed: a device
     kept listed because a pod held it when it vanished may be free now."""
@@ -134,5 +149,5 @@ class CheckpointChanged:
 
 Event = (
     Resync | KubeletSocketCreated | PluginSocketRemoved | UEvent | DeviceChanged | LinkChanged | LinkSnapshot
-    | ConfigChanged | LeasesChanged | ClaimsChanged | CheckpointChanged
+    | ConfigChanged | LeasesChanged | ClaimsChanged | Lent | CheckpointChanged
 )

@@ -9,7 +9,8 @@ It carries the contract of Intel's device plugin framework into an event-driven 
   ``UseDefault`` to fall back to the core's default answer), ``PostAllocator``,
   ``PreferredAllocator``, ``ContainerPreStarter``, ``PoolLifecycle`` for work done when pools
   start and stop serving, ``SideFileReleaser`` for the side files of devices whose DRA claim
-  was unprepared, and ``Explainer`` (``_explain.py``) to say why a device is or is not in a pool;
+  was unprepared, ``Lender`` for pools whose devices go to vfio-pci for the DRA claim that asks
+  (and back), and ``Explainer`` (``_explain.py``) to say why a device is or is not in a pool;
 * two optional hints for the event loop, looked up by name: ``fold_may_block(facts, event)``
   (True: fold this event in a worker thread, its reads may wait on the kernel) and
   ``health_step(event)`` (``HEALTH_LOST`` / ``HEALTH_RESTORED`` / ``None``: the loop never folds a
@@ -173,6 +174,70 @@ class DeviceSharer(Protocol):
         ...
 
 
+# the IOMMU backends a claim may ask a device on vfio-pci to be handed out through
+VFIO_LEGACY = "legacy"  # the group: /dev/vfio/vfio and /dev/vfio/<group>
+VFIO_IOMMUFD = "iommufd"  # the device's own node and /dev/iommu; refused where the kernel has none
+VFIO_PREFER_IOMMUFD = "preferIommufd"  # IOMMUFD where the kernel has it, else the group
+VFIO_BACKENDS = (VFIO_LEGACY, VFIO_IOMMUFD, VFIO_PREFER_IOMMUFD)
+
+
+@dataclass(frozen=True)
+class Loan:
+    """What handing one device to vfio-pci for a DRA claim takes: each of its parts (for PCI,
+    every function of its IOMMU group that is not a bridge), in the order they are rebound, with
+    the driver it goes back to (``None``: it had none)."""
+
+    resource: str
+    device_id: str
+    parts: tuple[tuple[str, str | None], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"resource": self.resource, "device_id": self.device_id,
+                "parts": [{"part": part, "driver": driver} for part, driver in self.parts]}
+
+    @classmethod
+    def from_json(cls, item: Mapping[str, Any]) -> Loan:
+        resource, device_id, parts = item.get("resource"), item.get("device_id"), item.get("parts")
+        if not isinstance(resource, str) or not isinstance(device_id, str) or not isinstance(parts, list):
+            raise ValueError("a loan needs 'resource' and 'device_id' (strings) and 'parts' (a list)")
+        pairs: list[tuple[str, str | None]] = []
+        for entry in parts:
+            if (not isinstance(entry, Mapping) or not isinstance(entry.get("part"), str)
+                    or not isinstance(entry.get("driver"), (str, type(None)))):
+                raise ValueError("a loan's part needs 'part' (a string) and 'driver' (a string or null)")
+            pairs.append((entry["part"], entry["driver"]))
+        return cls(resource, device_id, tuple(pairs))
+
+
+@runtime_checkable
+class Lender(Protocol):
+    """A handler whose pools may hand a device to vfio-pci for the DRA claim that asks for it
+    and give it back to its own driver afterwards (``vfioOnDemand``). The calls block on the
+    kernel: the DRA preparer makes them in a worker thread, and records each loan in its
+    checkpoint before ``lend`` and until ``give_back`` returned."""
+
+    def lends(self, pool: ResourcePool) -> bool:
+        """Whether the pool's config lets its devices go to vfio-pci on demand."""
+        ...
+
+    def plan_loan(self, pool: ResourcePool, device_id: str) -> Loan:
+        """The loan of ``device_id``, read from the host as it is now; AllocationError naming the
+        part and the reason when it may not go (it carries the host's default route, a block
+        device of it is mounted, its group holds a part the pool does not offer)."""
+        ...
+
+    def lend(self, pool: ResourcePool, loan: Loan, backend: str) -> DeviceInfo:
+        """Rebind every part of ``loan`` to vfio-pci (those already there stay); the device as it
+        is then, with the device specs of ``backend`` (one of ``VFIO_BACKENDS``). AllocationError
+        or OSError: a part could not be rebound (some may be: ``give_back`` undoes it)."""
+        ...
+
+    def give_back(self, loan: Loan) -> None:
+        """Give every part of ``loan`` back to its driver (those already there stay). Tries every
+        part; AllocationError or OSError naming those that stay on vfio-pci."""
+        ...
+
+
 @runtime_checkable
 class ContainerPreStarter(Protocol):
     def pre_start_container(self, pool: ResourcePool, device_ids: Sequence[str]) -> None: ...
@@ -230,6 +295,7 @@ class Hooks:
     describer: DeviceDescriber | None = None
     releaser: SideFileReleaser | None = None
     sharer: DeviceSharer | None = None
+    lender: Lender | None = None
 
     @classmethod
     def of(cls, handler: AnyHandler) -> Hooks:
@@ -242,6 +308,7 @@ class Hooks:
             describer=handler if isinstance(handler, DeviceDescriber) else None,
             releaser=handler if isinstance(handler, SideFileReleaser) else None,
             sharer=handler if isinstance(handler, DeviceSharer) else None,
+            lender=handler if isinstance(handler, Lender) else None,
         )
 
     @property

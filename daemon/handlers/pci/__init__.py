@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
 from daemon.core import (
+    DRA_API,
     HEALTH_LOST,
     HEALTH_RESTORED,
     AllocationError,
@@ -23,12 +24,15 @@ from daemon.core import (
     ConfiguredPool,
     ContainerAllocation,
     DeviceChanged,
+    DeviceInfo,
     DeviceMap,
     Event,
     Explanation,
     HandlerContext,
+    Lent,
     LinkChanged,
     LinkSnapshot,
+    Loan,
     Offered,
     PoolEntry,
     ResourcePool,
@@ -36,7 +40,6 @@ from daemon.core import (
     SysfsError,
     UEvent,
     list_dir,
-    read_hex_id,
 )
 from daemon.handlers._functions import RDMA_SUBSYSTEMS, is_pcie_error_report
 from daemon.handlers._sriov_allocation import AllocationEnvs
@@ -55,10 +58,10 @@ from ._discovery import pci_devpath, read_vfio_binding, scan_pci
 from ._explain import explain as explain_function
 from ._explain import why_empty as why_pool_empty
 from ._facts import PciFacts
-from ._folding import ERROR_EVENTS, fold_links, fold_uevent, recovery_concerns
-from ._groups import is_bridge_class
+from ._folding import ERROR_EVENTS, fold_lent, fold_links, fold_uevent, recovery_concerns
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
+from ._rebind import give_back, is_bridge_at, lend, plan
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 if TYPE_CHECKING:
@@ -67,6 +70,7 @@ if TYPE_CHECKING:
         DeviceDescriber,
         Explainer,
         Handler,
+        Lender,
         PoolLifecycle,
         PostAllocator,
         PreferredAllocator,
@@ -108,6 +112,7 @@ class PciHandler:
             selectors=tuple(parse_selector(selector, entry.device_type) for selector in entry.selectors),
             check_health_on_pf=entry.raw.get("checkHealthOnPf", bool, True),
             allocation_policy=policy,
+            vfio_on_demand=_vfio_on_demand(entry),
         )
 
     def scan(self) -> PciFacts:
@@ -117,13 +122,16 @@ class PciHandler:
         if isinstance(event, Resync):  # a full scan; link and recovery states do not live in sysfs: keep them
             scanned = self.scan()
             recovery = {a: state for a, state in facts.recovery.items() if a in scanned.devices}
-            return replace(scanned, links=facts.links, recovery=MappingProxyType(recovery))
+            lent = {a: home for a, home in facts.lent.items() if a in scanned.devices}
+            return replace(scanned, links=facts.links, recovery=MappingProxyType(recovery), lent=MappingProxyType(lent))
         if isinstance(event, DeviceChanged):  # found changed at Allocate: read it as a kernel change says
             event = event.as_uevent()
         if isinstance(event, UEvent):
             return fold_uevent(facts, event, self._sysfs_root, self._dev_root, self._proc_root)
         if isinstance(event, (LinkChanged, LinkSnapshot)):
             return fold_links(facts, event, self._sysfs_root)
+        if isinstance(event, Lent):
+            return fold_lent(facts, event)
         return facts
 
     # The event loop's hints (see daemon.core.Handler): PCIe error recovery.
@@ -220,7 +228,7 @@ class PciHandler:
             members = list_dir(f"{self._sysfs_root}/kernel/iommu_groups/{group}/devices")
         except SysfsError as error:
             raise AllocationError(f"{record.device.address}: {error}") from error
-        others = [m for m in members if m not in functions and not _is_bridge_address(self._sysfs_root, m)]
+        others = [m for m in members if m not in functions and not is_bridge_at(self._sysfs_root, m)]
         if others:
             raise AllocationError(f"{record.device.address}: its IOMMU group changed to {group}, which also holds "
                                   f"{', '.join(others)}; not handing out part of a group (try again once the "
@@ -252,6 +260,20 @@ class PciHandler:
     def dra_attributes(self, pool: ResourcePool, device_id: str) -> Mapping[str, AttributeValue]:
         return pci_attributes(pool.devices[device_id].details)
 
+    # Lender: a vfioOnDemand pool's device goes to vfio-pci for the claim that asks (_rebind.py).
+    def lends(self, pool: ResourcePool) -> bool:
+        spec: PciPoolSpec = pool.pool_config.spec
+        return spec.vfio_on_demand
+
+    def plan_loan(self, pool: ResourcePool, device_id: str) -> Loan:
+        return plan(self._sysfs_root, self._proc_root, pool.resource, device_id, pool.devices[device_id])
+
+    def lend(self, pool: ResourcePool, loan: Loan, backend: str) -> DeviceInfo:
+        return lend(self._sysfs_root, self._dev_root, loan, pool.devices[loan.device_id], backend)
+
+    def give_back(self, loan: Loan) -> None:
+        give_back(self._sysfs_root, loan)
+
     # PoolLifecycle: device-info files are cleaned when pools start and stop, as upstream does.
     def pools_started(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:
         self._remove_devinfo(pools)
@@ -276,12 +298,26 @@ class PciHandler:
                 self._devinfo.remove_pool(pool.resource)
 
 
-def _is_bridge_address(sysfs_root: str, address: str) -> bool:
-    try:
-        class_code = read_hex_id(f"{sysfs_root}/bus/pci/devices/{address}/class", 6)
-    except SysfsError:
+def _vfio_on_demand(entry: PoolEntry) -> bool:
+    """The pool's ``vfioOnDemand`` (false when not set): only a DRA pool of whole functions
+    (``pciDevice``, ``accelerator``) can rebind them, and its selectors must name the host
+    drivers the functions are on until a claim takes them."""
+    on_demand = entry.raw.get("vfioOnDemand", bool, False)
+    if not on_demand:
         return False
-    return class_code is not None and is_bridge_class(class_code)
+    where = entry.raw.path_of("vfioOnDemand")
+    if entry.allocation_api != DRA_API:
+        raise ConfigError(where, f"only a pool served through DRA (\"allocationApi\": \"{DRA_API}\") can bind its "
+                                 "devices to vfio-pci on demand: a claim asks for it, the device plugin API cannot")
+    if entry.device_type not in (PCI_DEVICE, ACCELERATOR):
+        raise ConfigError(where, f"deviceType {entry.device_type} cannot bind to vfio-pci on demand (only "
+                                 f"{PCI_DEVICE} and {ACCELERATOR} pools hand out whole functions)")
+    for selector in entry.selectors:
+        if not selector.string_list("drivers"):
+            raise ConfigError(selector.path_of("drivers"), "a vfioOnDemand pool's selector must name the host drivers "
+                                                           "its functions are on (e.g. [\"nvme\"]); without, it would "
+                                                           "take vfio-pci functions only")
+    return True
 
 
 if TYPE_CHECKING:
@@ -292,5 +328,6 @@ if TYPE_CHECKING:
     _lifecycle: type[PoolLifecycle[PciPoolSpec]] = PciHandler
     _releaser: type[SideFileReleaser] = PciHandler
     _describer: type[DeviceDescriber] = PciHandler
+    _lender: type[Lender] = PciHandler
 
     _explainer: type[Explainer] = PciHandler

@@ -79,7 +79,9 @@ class PciFacts:
     """The PCI part of the host: devices by address, RDMA char devices, link states, and the
     devices in PCIe error recovery (address -> ``"recovering"`` from BEGIN_RECOVERY until
     SUCCESSFUL_RECOVERY, ``"failed"`` after FAILED_RECOVERY until a ``bind`` or ``remove``).
-    Like link states, recovery states come from events, not from sysfs: a rescan keeps them.
+    Like link states, recovery states come from events, not from sysfs: a rescan keeps them; so
+    are the functions lent to vfio-pci for DRA claims (``lent``: the claims' checkpoint says so,
+    through ``daemon.core.Lent``), which a pool judges by the driver they go back to.
 
     ``token`` names this version of the facts. ``lineage`` lists the recent folds that led here,
     each as (token of the facts before it, devices changed, interfaces changed), so the pool
@@ -91,6 +93,8 @@ class PciFacts:
     rdma_char_devices: Mapping[str, tuple[str, ...]]
     links: Mapping[str, LinkState] = field(default_factory=lambda: _EMPTY)
     recovery: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    # functions DRA claims hold on vfio-pci (vfioOnDemand) -> the driver each goes back to
+    lent: Mapping[str, str | None] = field(default_factory=lambda: _EMPTY)
     token: int = field(default_factory=lambda: secrets.randbits(63))
     lineage: tuple[tuple[int, frozenset[str], frozenset[str]], ...] = ()
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 
-from daemon.core import LinkChanged, LinkSnapshot, UEvent, list_dir
+from daemon.core import Lent, LinkChanged, LinkSnapshot, UEvent, list_dir
 from daemon.handlers._functions import (
     PCI_ADDRESS,
     RDMA_SUBSYSTEMS,
@@ -146,6 +146,16 @@ def _child(
         # the callers pass PciFacts fields by name; mypy cannot match **object to replace()'s fields
         **changes,  # type: ignore[arg-type]
     )
+
+
+def fold_lent(facts: PciFacts, event: Lent) -> PciFacts:
+    """The functions DRA claims hold on vfio-pci now, and the drivers they go back to; the
+    functions whose entry changed are built again."""
+    lent = dict(event.parts)
+    if lent == facts.lent:
+        return facts
+    changed = frozenset(a for a in lent.keys() | facts.lent.keys() if lent.get(a, "") != facts.lent.get(a, ""))
+    return _child(facts, lent=MappingProxyType(lent), changed_addresses=changed)
 
 
 def _with_recovery(facts: PciFacts, address: str, state: str | None) -> PciFacts:

@@ -11,6 +11,12 @@ device, never two devices two pods could get:
   group's specs once, health Unhealthy when any function is, the NUMA nodes of them all;
 * a group that is not viable (a function bound to a host driver) is offered nowhere, until the
   last such function is unbound or moves to vfio-pci.
+
+A ``vfioOnDemand`` pool (through DRA) takes functions on their host drivers, and a claim that
+asks rebinds the device's whole group to vfio-pci: so a group of several functions is one device
+of such a pool (named and made as above) when every function of it but its bridges is in that
+pool, and is offered nowhere otherwise (some function would stay on its host driver, or be in
+another pool's hands).
 """
 
 from __future__ import annotations
@@ -82,6 +88,7 @@ def apply_groups(
     groups: Iterable[tuple[str, ...]],
     devices: Mapping[str, PciDevice],
     placed: Mapping[str, str],
+    on_demand: frozenset[str] = frozenset(),
 ) -> dict[str, dict[str, DeviceInfo]]:
     """The pools of the resources the groups of several functions change, from the per-function
     placements: each such group's vfio-bound functions taken out of their pools, and put back as
@@ -97,12 +104,28 @@ def apply_groups(
     for addresses in groups:
         if len(addresses) < 2:
             continue
-        offered = sorted(a for a in addresses if a in placed and passthrough_group(devices[a]) is not None)
-        if not offered:
+        lendable = sorted(a for a in addresses if placed.get(a) in on_demand)
+        offered = sorted(a for a in addresses
+                         if a in placed and a not in lendable and passthrough_group(devices[a]) is not None)
+        if not offered and not lendable:
             continue
+        lent = [(address, pool(placed[address]).pop(address)) for address in lendable]
         members = [(address, pool(placed[address]).pop(address)) for address in offered]
+        if lendable:
+            if not offered and _whole_in_one_pool(addresses, lendable, devices, placed):
+                address, info = group_device(lent)
+                pool(placed[lendable[0]])[address] = info
+            continue
         if blocking_functions(devices[a] for a in addresses if a in devices):
             continue
         address, info = group_device(members)
         pool(placed[offered[0]])[address] = info
     return changed
+
+
+def _whole_in_one_pool(addresses: Iterable[str], lendable: Sequence[str], devices: Mapping[str, PciDevice],
+                       placed: Mapping[str, str]) -> bool:
+    """Every function of the group but its bridges is in the ``vfioOnDemand`` pool of the first."""
+    resource = placed[lendable[0]]
+    return all(placed.get(a) == resource for a in addresses
+               if a in devices and not is_bridge_class(devices[a].class_code))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import MappingProxyType
 
@@ -50,6 +50,8 @@ class PciPoolSpec:
     selectors: tuple[PciSelector, ...]
     check_health_on_pf: bool = True
     allocation_policy: str | None = None  # "packed" or "spread": GetPreferredAllocation is offered
+    # through DRA: a device goes to vfio-pci for the claim that asks (VfioConfig), and back after
+    vfio_on_demand: bool = False
 
 
 # why a device is not considered for a pool at all (constants: the build asks for every device)
@@ -205,7 +207,8 @@ class PoolBuilder:
         """The offered devices of ``touched`` resources (and of every resource a group of several
         functions changes now or changed last time) from their per-function placements."""
         shared = [built.groups[group] for group in built.shared_groups]
-        changed = apply_groups(built.functions, shared, facts.devices, built.placed)
+        on_demand = frozenset(pool.resource for pool in built.pools if pool.spec.vfio_on_demand)
+        changed = apply_groups(built.functions, shared, facts.devices, built.placed, on_demand)
         for resource in touched | built.grouped | changed.keys():
             if resource in built.functions:
                 built.devices[resource] = (
@@ -252,17 +255,30 @@ class PoolBuilder:
         ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
 
         def place(device: PciDevice) -> tuple[str, DeviceInfo] | None:
+            judged = lent_as_at_home(device, facts.lent)
             for pool in pools:
                 spec: PciPoolSpec = pool.spec
-                if ineligibility(device, spec.device_type) is not None:
+                if judged is not device and not spec.vfio_on_demand:
+                    continue  # a function a claim holds on vfio-pci stays in its vfioOnDemand pool
+                if ineligibility(judged, spec.device_type) is not None:
                     continue
                 for selector in spec.selectors:
-                    if selector.refusing_key(device, ddp_profile) is None:
+                    if selector.refusing_key(judged, ddp_profile) is None:
                         info = _device_info(device, pool, selector, facts, vhost_available, self._dev_root)
                         return None if info is None else (pool.resource, info)
             return None
 
         return place
+
+
+def lent_as_at_home(device: PciDevice, lent: Mapping[str, str | None]) -> PciDevice:
+    """The function as a pool judges it: on the driver it goes back to while a DRA claim holds
+    it on vfio-pci (``PciFacts.lent``), so the rebinding (no driver, then vfio-pci) neither
+    takes it out of its ``vfioOnDemand`` pool nor gives it to a pool of vfio-pci functions; the
+    function itself (every other record)."""
+    if device.address not in lent:
+        return device
+    return replace(device, driver=lent[device.address])
 
 
 def unusable_reason(device: PciDevice) -> str | None:

@@ -1,0 +1,308 @@
+"""Handing a PCI device to vfio-pci for one DRA claim, and back (``vfioOnDemand`` pools; the
+``daemon.core.Lender`` hooks of the pci handler).
+
+A device of such a pool is on its host driver (``nvme``, a GPU's) until a claim asks for vfio
+(``VfioConfig``). Then every function of its IOMMU group goes to vfio-pci, the way an operator
+does it: ``driver_override`` set to ``vfio-pci``, ``driver/unbind``, then the address written to
+``drivers/vfio-pci/bind``, function by function, lowest first. At Unprepare each goes back:
+``driver_override`` cleared, every function unbound from vfio-pci first (no host driver binds
+into a group vfio-pci still has), then bound to the driver it had through ``drivers/<driver>/bind``
+(an explicit bind works under a PF whose ``sriov_drivers_autoprobe`` is 0, where a probe would
+bind nothing); a function that had no driver stays with none.
+
+The checks come first and change nothing (``plan``): the group holds the device's functions and
+bridges only; no function carries the host's default route (read again: routes change after the
+pool was built); no block device of a function is mounted, used as swap or held by another
+block device (device-mapper, md). A write the kernel refuses, a driver link that does not
+follow within ``BIND_TIMEOUT``, a node that does not appear: AllocationError naming the function,
+the file and the reason. Nothing here remembers anything: the DRA preparer records each loan in
+its checkpoint before ``lend`` and keeps it until ``give_back`` returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+
+from daemon.core import (
+    VFIO_IOMMUFD,
+    VFIO_LEGACY,
+    VFIO_PREFER_IOMMUFD,
+    AllocationError,
+    DeviceInfo,
+    DeviceSpec,
+    Loan,
+    SysfsError,
+    link_name,
+    list_dir,
+    read_hex_id,
+    read_text,
+)
+
+from ._allocation import IOMMU_NODE, VFIO_DRIVER, PciDetails, first_per_host_path, vfio_specs
+from ._discovery import NOIOMMU_GROUP_NAME, read_default_route_interfaces, vfio_cdev_of
+from ._groups import is_bridge_class
+
+log = logging.getLogger("devplugd.pci")
+
+BIND_TIMEOUT = 10.0  # seconds for a driver link to follow a write (an unbind waits for the device's users)
+NODE_TIMEOUT = 2.0  # seconds for /dev/vfio/<group> (or a VFIO device node) to appear after the bind
+_BLOCK_DEPTH = 6  # directories below a function where its block devices sit (SCSI: host/target/lun/block/sdX)
+
+
+def plan(sysfs_root: str, proc_root: str, resource: str, device_id: str, info: DeviceInfo) -> Loan:
+    """The loan of the device ``device_id`` (record ``info``) as the host is now, or
+    AllocationError naming the function and why it may not go to vfio-pci."""
+    details: PciDetails = info.details
+    functions = [record.device.address for record in details.functions]
+    group = link_name(_device_dir(sysfs_root, functions[0]) + "/iommu_group")
+    if group is None:
+        raise AllocationError(f"{functions[0]} has no IOMMU group: vfio-pci cannot hand it out (is the IOMMU on?)")
+    members = list_dir(f"{sysfs_root}/kernel/iommu_groups/{group}/devices")
+    others = [m for m in members if m not in functions and not is_bridge_at(sysfs_root, m)]
+    if others:
+        raise AllocationError(f"{functions[0]}: its IOMMU group {group} also holds {', '.join(others)}, which this "
+                              "device does not include; the whole group would have to go to vfio-pci")
+    routes = read_default_route_interfaces(proc_root)
+    mounted = _mounted_devices(proc_root)
+    parts: list[tuple[str, str | None]] = []
+    for address in functions:
+        device_dir = _device_dir(sysfs_root, address)
+        if not os.path.isdir(device_dir):
+            raise AllocationError(f"{address} is gone from sysfs")
+        driver = link_name(device_dir + "/driver")
+        if driver != VFIO_DRIVER:
+            _check_unused(device_dir, address, routes, mounted)
+        parts.append((address, driver))
+    return Loan(resource, device_id, tuple(parts))
+
+
+def lend(sysfs_root: str, dev_root: str, loan: Loan, info: DeviceInfo, backend: str) -> DeviceInfo:
+    """Rebind every function of ``loan`` to vfio-pci; the device ``info`` as it is then, with
+    the device nodes of ``backend``. AllocationError when a step fails (what was rebound stays:
+    the caller gives the loan back)."""
+    drivers_dir = f"{sysfs_root}/bus/pci/drivers"
+    if not os.path.isdir(f"{drivers_dir}/{VFIO_DRIVER}"):
+        raise AllocationError(f"{VFIO_DRIVER} is not loaded on this host ({drivers_dir}/{VFIO_DRIVER} is missing): "
+                              f"load it (modprobe {VFIO_DRIVER}) before claims ask for it")
+    for address, _ in loan.parts:
+        device_dir = _device_dir(sysfs_root, address)
+        _write(f"{device_dir}/driver_override", VFIO_DRIVER, address)
+        current = link_name(device_dir + "/driver")
+        if current == VFIO_DRIVER:
+            continue
+        if current is not None:
+            _write(f"{device_dir}/driver/unbind", address, address)
+            _wait_for_driver(device_dir, address, None)
+        _write(f"{drivers_dir}/{VFIO_DRIVER}/bind", address, address)
+        _wait_for_driver(device_dir, address, VFIO_DRIVER)
+    return _on_vfio(sysfs_root, dev_root, info, backend)
+
+
+def give_back(sysfs_root: str, loan: Loan) -> None:
+    """Every function of ``loan`` back on the driver it had: all off vfio-pci first, then each
+    bound to its own. Tries every function; AllocationError naming those that failed."""
+    drivers_dir = f"{sysfs_root}/bus/pci/drivers"
+    failures: list[str] = []
+    leaving: list[tuple[str, str | None]] = []
+    for address, home in loan.parts:
+        device_dir = _device_dir(sysfs_root, address)
+        try:
+            if not os.path.isdir(device_dir):
+                log.warning("%s is gone from sysfs; nothing to give back", address, extra={"PCI_ADDR": address})
+                continue
+            _write(f"{device_dir}/driver_override", "\n", address)
+            current = link_name(device_dir + "/driver")
+            if current == home:
+                continue
+            if current is not None:
+                _write(f"{device_dir}/driver/unbind", address, address)
+                _wait_for_driver(device_dir, address, None)
+            leaving.append((address, home))
+        except AllocationError as error:
+            failures.append(str(error))
+    for address, home in leaving:
+        if home is None:
+            continue
+        device_dir = _device_dir(sysfs_root, address)
+        try:
+            if not os.path.isdir(f"{drivers_dir}/{home}"):
+                raise AllocationError(f"{address}: its driver {home} is not loaded any more ({drivers_dir}/{home} "
+                                      "is missing); it stays with no driver")
+            _write(f"{drivers_dir}/{home}/bind", address, address)
+            _wait_for_driver(device_dir, address, home)
+        except AllocationError as error:
+            failures.append(str(error))
+    if failures:
+        raise AllocationError("; ".join(failures))
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+
+def _check_unused(device_dir: str, address: str, routes: frozenset[str], mounted: frozenset[str]) -> None:
+    """AllocationError when the function carries the default route or a block device of it is in use."""
+    for ifname in list_dir(device_dir + "/net"):
+        if ifname in routes:
+            raise AllocationError(f"{address} carries the host's default route (interface {ifname}): it is never "
+                                  "taken from its driver")
+    for name, block_dir in _block_devices(device_dir):
+        numbers = read_text(block_dir + "/dev")
+        if numbers is not None and numbers in mounted:
+            raise AllocationError(f"{address}: its block device {name} ({numbers}) is mounted or used as swap")
+        holders = list_dir(block_dir + "/holders")
+        if holders:
+            raise AllocationError(f"{address}: its block device {name} is held by {', '.join(holders)}")
+
+
+def _block_devices(device_dir: str) -> Iterator[tuple[str, str]]:
+    """(name, directory) of every block device and partition below a function (its namespaces,
+    disks), not following links (a PF's ``virtfnN``, a ``subsystem``): the kernel nests them."""
+    stack = [(device_dir, 0)]
+    while stack:
+        directory, depth = stack.pop()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            path = entry.path
+            if link_name(path + "/subsystem") == "block" and os.path.exists(path + "/dev"):
+                yield entry.name, path
+            if depth < _BLOCK_DEPTH:
+                stack.append((path, depth + 1))
+
+
+def _mounted_devices(proc_root: str) -> frozenset[str]:
+    """``MAJ:MIN`` of every block device the host has mounted (the mount table of PID 1: the
+    host's, also from a container given the host's ``/proc``) or uses as swap."""
+    text = read_text(f"{proc_root}/1/mountinfo") or read_text(f"{proc_root}/self/mountinfo") or ""
+    numbers = {fields[2] for line in text.splitlines() if len(fields := line.split()) > 2}
+    for line in (read_text(f"{proc_root}/swaps") or "").splitlines()[1:]:
+        if line.split() and (found := _block_numbers(line.split()[0])) is not None:
+            numbers.add(found)
+    return frozenset(numbers)
+
+
+def _block_numbers(path: str) -> str | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return f"{os.major(status.st_rdev)}:{os.minor(status.st_rdev)}" if status.st_rdev else None
+
+
+# -- the writes -----------------------------------------------------------------------------------
+
+
+def _write(path: str, text: str, address: str) -> None:
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as error:
+        raise AllocationError(f"{address}: cannot open {path}: {error.strerror or error}") from error
+    try:
+        os.write(descriptor, text.encode())
+    except OSError as error:
+        shown = text.strip() or "a new line"
+        raise AllocationError(f"{address}: writing {shown!r} to {path} failed: {error.strerror or error}") from error
+    finally:
+        os.close(descriptor)
+
+
+def _wait_for_driver(device_dir: str, address: str, wanted: str | None) -> None:
+    """Until the function's ``driver`` link names ``wanted`` (``None``: no link); the kernel
+    does it before the write returns, a slow probe or a device still in use takes longer."""
+    _wait(lambda: link_name(device_dir + "/driver") == wanted, BIND_TIMEOUT,
+          lambda: f"{address}: still {_driver_words(link_name(device_dir + '/driver'))} after {BIND_TIMEOUT:g} s, "
+                  f"waiting for {_driver_words(wanted)}")
+
+
+def _wait(done: Callable[[], bool], timeout: float, failure: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout
+    pause = 0.0005
+    while not done():
+        if time.monotonic() > deadline:
+            raise AllocationError(failure())
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _driver_words(driver: str | None) -> str:
+    return f"bound to {driver}" if driver is not None else "bound to no driver"
+
+
+# -- the device on vfio-pci -----------------------------------------------------------------------
+
+
+def _on_vfio(sysfs_root: str, dev_root: str, info: DeviceInfo, backend: str) -> DeviceInfo:
+    """``info`` with its functions as they are now on vfio-pci and the device specs of ``backend``."""
+    details: PciDetails = info.details
+    records = [_record_on_vfio(sysfs_root, record) for record in details.functions]
+    group_specs = [spec for record in records for spec in vfio_specs(record.device)]
+    for spec in group_specs:
+        _wait_for_node(dev_root, spec.host_path, records[0].device.address)
+    cdev_specs = _iommufd_specs(sysfs_root, dev_root, records, backend)
+    specs = cdev_specs if cdev_specs is not None else group_specs
+    kept = [spec for spec in info.specs if not spec.host_path.startswith("/dev/vfio/") and spec.host_path != IOMMU_NODE]
+    first, *members = records
+    return replace(info, specs=tuple(first_per_host_path([*specs, *kept])),
+                   details=replace(first, members=tuple(members)))
+
+
+def _record_on_vfio(sysfs_root: str, record: PciDetails) -> PciDetails:
+    address = record.device.address
+    device_dir = _device_dir(sysfs_root, address)
+    group = link_name(device_dir + "/iommu_group")
+    noiommu = group is not None and read_text(device_dir + "/iommu_group/name") == NOIOMMU_GROUP_NAME
+    device = replace(record.device, driver=VFIO_DRIVER, iommu_group=group, noiommu=noiommu,
+                     vfio_cdev=vfio_cdev_of(device_dir))
+    info = {provider: dict(values) for provider, values in record.info.items()}
+    info["vfio"] = {"mount": "/dev/vfio/vfio"}
+    if vfio := vfio_specs(device):
+        info["vfio"]["dev-mount"] = vfio[1].container_path
+    return replace(record, device=device, info=info, members=())
+
+
+def _iommufd_specs(sysfs_root: str, dev_root: str, records: Sequence[PciDetails],
+                   backend: str) -> list[DeviceSpec] | None:
+    """Each function's ``/dev/vfio/devices/vfioN`` and ``/dev/iommu`` for ``iommufd`` (or
+    ``preferIommufd`` where the kernel made them); ``None``: the group's nodes."""
+    if backend == VFIO_LEGACY:
+        return None
+    cdevs = [record.device.vfio_cdev for record in records]
+    nodes = [f"/dev/vfio/devices/{cdev}" for cdev in cdevs if cdev is not None]
+    available = len(nodes) == len(records) and os.path.exists(dev_root + IOMMU_NODE[len("/dev"):])
+    if not available:
+        if backend == VFIO_PREFER_IOMMUFD:
+            return None
+        missing = [r.device.address for r, cdev in zip(records, cdevs, strict=True) if cdev is None]
+        raise AllocationError(f"{records[0].device.address}: the claim asks for {VFIO_IOMMUFD}, but the kernel gives "
+                              + (f"{', '.join(missing)} no VFIO device node (vfio-dev/vfioN)" if missing
+                                 else f"no {IOMMU_NODE}") + f"; ask for {VFIO_LEGACY} or {VFIO_PREFER_IOMMUFD}")
+    for node in nodes:
+        _wait_for_node(dev_root, node, records[0].device.address)
+    return [DeviceSpec(node, node) for node in (*nodes, IOMMU_NODE)]
+
+
+def _wait_for_node(dev_root: str, node: str, address: str) -> None:
+    path = dev_root + node[len("/dev"):]
+    _wait(lambda: os.path.exists(path), NODE_TIMEOUT,
+          lambda: f"{address}: {node} did not appear within {NODE_TIMEOUT:g} s of the bind to {VFIO_DRIVER}")
+
+
+def _device_dir(sysfs_root: str, address: str) -> str:
+    return f"{sysfs_root}/bus/pci/devices/{address}"
+
+
+def is_bridge_at(sysfs_root: str, address: str) -> bool:
+    """Whether the function at ``address`` is a PCI bridge (one that cannot be read is not)."""
+    try:
+        class_code = read_hex_id(f"{_device_dir(sysfs_root, address)}/class", 6)
+    except SysfsError:
+        return False
+    return class_code is not None and is_bridge_class(class_code)
