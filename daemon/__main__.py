@@ -215,14 +215,15 @@ def _device_classes(path: Path, driver: str, resource_prefix: str, rbac: bool) -
     multi-document YAML stream on stdout; a config without DRA pools needs neither."""
     from daemon import app
     from daemon.core._config import DRA_API, ConfigFileError
+    from daemon.core._handler import Hooks
     from daemon.dra import DeviceClassError, device_classes, rbac_objects
 
     if problem := dra_names_problem(driver, None):
         print(f"devplugd: {problem}", file=sys.stderr)
         return app.EXIT_BAD_CONFIG
     try:
-        _, config = app.load(Settings(resource_prefix=resource_prefix), config_path=path)
-        documents = device_classes(config, driver)
+        handlers, config = app.load(Settings(resource_prefix=resource_prefix), config_path=path)
+        documents = device_classes(config, driver, lambda pool: Hooks.of(handlers[pool.handler]).lends(pool))
     except (ConfigFileError, DeviceClassError) as error:
         print(f"devplugd: {error}", file=sys.stderr)
         return app.EXIT_BAD_CONFIG

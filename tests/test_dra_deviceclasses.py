@@ -251,3 +251,22 @@ def test_cli_refuses_a_bad_config_or_driver_with_exit_2(short_tmp: Path, argumen
     result = run_cli("dra", "device-classes", "--config", str(write_config(short_tmp, config)), *arguments)
     assert result.returncode == 2
     assert message in result.stderr and result.stdout == ""
+
+
+def test_a_vfio_on_demand_pool_gets_a_second_class_that_carries_the_vfio_config(short_tmp: Path) -> None:
+    config = {"resourceList": [
+        {"resourceName": "nvme_vfs", "resourcePrefix": "example.com", "deviceType": "pciDevice",
+         "allocationApi": "dra", "vfioOnDemand": True, "selectors": {"drivers": ["nvme"]}},
+        {"resourceName": "gpus", "deviceType": "pciDevice", "allocationApi": "dra", "selectors": {}},
+    ]}
+    result = run_cli("dra", "device-classes", "--config", str(write_config(short_tmp, config)))
+    assert result.returncode == 0, result.stderr
+    documents = list(yaml.safe_load_all(result.stdout))
+    assert [d["metadata"]["name"] for d in documents] == ["nvme-vfs.example.com", "nvme-vfs-vfio.example.com",
+                                                         "gpus.intel.com"]
+    plain, vfio, _ = documents
+    assert all(round_trips(d, "V1DeviceClass") for d in documents)
+    assert vfio["spec"]["selectors"] == plain["spec"]["selectors"]
+    assert "extendedResourceName" not in vfio["spec"]  # resources.limits keeps meaning the pool's own class
+    assert vfio["spec"]["config"] == [{"opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "devplugd.io/v1alpha1", "kind": "VfioConfig", "backend": "legacy"}}}]

@@ -216,7 +216,7 @@ class Lender(Protocol):
     kernel: the DRA preparer makes them in a worker thread, and records each loan in its
     checkpoint before ``lend`` and until ``give_back`` returned."""
 
-    def lends(self, pool: ResourcePool) -> bool:
+    def lends(self, pool: ConfiguredPool[Any]) -> bool:
         """Whether the pool's config lets its devices go to vfio-pci on demand."""
         ...
 
@@ -314,6 +314,10 @@ class Hooks:
     @property
     def name(self) -> str:
         return self.handler.name
+
+    def lends(self, pool: ConfiguredPool[Any]) -> bool:
+        """Whether ``pool``'s devices may go to vfio-pci for the DRA claim that asks (``Lender``)."""
+        return self.lender is not None and self.lender.lends(pool)
 
 
 def allocate_container(hooks: Hooks, pool: ResourcePool, device_ids: Sequence[str]) -> ContainerAllocation:

@@ -6,14 +6,15 @@ ResourceSlices. ``devplugd dra device-classes`` prints them as YAML.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from daemon.core._config import DaemonConfig
+from daemon.core._config import ConfiguredPool, DaemonConfig
 from daemon.core._names import dns_subdomain_problem, dra_pool_part
 
 from ._devices import string_problem
 from ._slices import MANAGED_BY
+from ._vfioconfig import VfioConfig
 
 DEVICE_CLASS_API_VERSION = "resource.k8s.io/v1"
 RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
@@ -57,9 +58,37 @@ def device_class(driver: str, resource: str) -> dict[str, Any]:
     }
 
 
-def device_classes(config: DaemonConfig, driver: str) -> list[dict[str, Any]]:
-    """One DeviceClass per DRA pool of ``config``, in file order. Raises DeviceClassError."""
-    return [device_class(driver, pool.resource) for pool in config.dra_pools]
+def vfio_device_class(driver: str, resource: str) -> dict[str, Any]:
+    """The second DeviceClass of a ``vfioOnDemand`` pool (``<name>-vfio.<prefix>``): the same
+    devices, with the ``VfioConfig`` that has a claim's device bound to vfio-pci (it reaches the
+    allocation as a config ``FromClass``), so a VM's claim only names the class. It claims no
+    extended resource name: ``resources.limits`` keeps meaning the pool's own class."""
+    plain = device_class(driver, resource)
+    name, _, prefix = plain["metadata"]["name"].partition(".")
+    class_name = f"{name}-vfio.{prefix}"
+    if problem := dns_subdomain_problem(class_name):
+        raise DeviceClassError(f"{resource!r} gives no vfio DeviceClass name: {class_name!r} {problem}")
+    return {
+        **plain,
+        "metadata": {**plain["metadata"], "name": class_name},
+        "spec": {
+            "selectors": plain["spec"]["selectors"],
+            "config": [{"opaque": {"driver": driver, "parameters": VfioConfig().to_json()}}],
+        },
+    }
+
+
+def device_classes(config: DaemonConfig, driver: str,
+                   lends: Callable[[ConfiguredPool[Any]], bool] = lambda pool: False) -> list[dict[str, Any]]:
+    """One DeviceClass per DRA pool of ``config``, in file order, each followed by its
+    ``-vfio`` class when ``lends`` says the pool's devices may go to vfio-pci on demand.
+    Raises DeviceClassError."""
+    classes = []
+    for pool in config.dra_pools:
+        classes.append(device_class(driver, pool.resource))
+        if lends(pool):
+            classes.append(vfio_device_class(driver, pool.resource))
+    return classes
 
 
 def _rule(api_group: str, resources: Sequence[str], verbs: Sequence[str]) -> dict[str, Any]:

@@ -261,9 +261,8 @@ class PciHandler:
         return pci_attributes(pool.devices[device_id].details)
 
     # Lender: a vfioOnDemand pool's device goes to vfio-pci for the claim that asks (_rebind.py).
-    def lends(self, pool: ResourcePool) -> bool:
-        spec: PciPoolSpec = pool.pool_config.spec
-        return spec.vfio_on_demand
+    def lends(self, pool: ConfiguredPool[PciPoolSpec]) -> bool:
+        return pool.spec.vfio_on_demand
 
     def plan_loan(self, pool: ResourcePool, device_id: str) -> Loan:
         return plan(self._sysfs_root, self._proc_root, pool.resource, device_id, pool.devices[device_id])
