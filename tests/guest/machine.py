@@ -148,9 +148,14 @@ class SriovNvme:
 
     vfs: int
     slow_link: bool = False  # the port at 2.5GT/s x1: a fatal AER recovery below it succeeds
+    # > 0: a shared namespace (nsid 1) of this size in the PF's subsystem, which every VF sees too
+    # (a QEMU null-co block device: reads give zeros, writes vanish); the VFs can then run on nvme,
+    # each with its /dev/nvmeXn1, once tests/guest/nvme_virt.py gives them resources
+    namespace_mib: int = 0
 
     def describe(self) -> dict[str, object]:
-        return {"kind": "sriov", "vfs": self.vfs}
+        namespace = {"namespace_mib": self.namespace_mib} if self.namespace_mib else {}
+        return {"kind": "sriov", "vfs": self.vfs, **namespace}
 
 
 @dataclass(frozen=True)
@@ -342,8 +347,15 @@ def port_args(index: int, port: Port) -> list[str]:
     if isinstance(port, SriovNvme):
         subsystem = f"nvmesubsys{index}"
         properties = {"bus": bus, "serial": f"devplugd{index}", "subsys": subsystem, **nvme_pf_properties(port.vfs)}
+        if port.namespace_mib:
+            properties = {"id": f"nvme{index}", **properties}
         argv += ["-device", f"nvme-subsys,id={subsystem},nqn=devplugd-subsys{index}",
                  "-device", "nvme," + ",".join(f"{key}={value}" for key, value in properties.items())]
+        if port.namespace_mib:
+            drive = f"nvmens{index}"
+            argv += ["-blockdev", f"driver=null-co,node-name={drive},size={port.namespace_mib * 1024 * 1024},"
+                                  "read-zeroes=on",
+                     "-device", f"nvme-ns,drive={drive},bus=nvme{index},nsid=1,shared=on"]
     elif isinstance(port, MultifunctionNvme):
         if not 1 <= port.functions <= 8:
             raise ValueError(f"a slot has 1..8 functions, not {port.functions}")
