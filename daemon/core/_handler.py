@@ -187,26 +187,28 @@ class Loan:
     every function of its IOMMU group that is not a bridge), in the order they are rebound, with
     the driver it goes back to (``None``: it had none)."""
 
+    handler: str  # the Lender's name: the loan is given back by it, whatever became of the pool
     resource: str
     device_id: str
     parts: tuple[tuple[str, str | None], ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"resource": self.resource, "device_id": self.device_id,
+        return {"handler": self.handler, "resource": self.resource, "device_id": self.device_id,
                 "parts": [{"part": part, "driver": driver} for part, driver in self.parts]}
 
     @classmethod
     def from_json(cls, item: Mapping[str, Any]) -> Loan:
-        resource, device_id, parts = item.get("resource"), item.get("device_id"), item.get("parts")
-        if not isinstance(resource, str) or not isinstance(device_id, str) or not isinstance(parts, list):
-            raise ValueError("a loan needs 'resource' and 'device_id' (strings) and 'parts' (a list)")
+        handler, resource, device_id = item.get("handler"), item.get("resource"), item.get("device_id")
+        parts = item.get("parts")
+        if not all(isinstance(value, str) for value in (handler, resource, device_id)) or not isinstance(parts, list):
+            raise ValueError("a loan needs 'handler', 'resource' and 'device_id' (strings) and 'parts' (a list)")
         pairs: list[tuple[str, str | None]] = []
         for entry in parts:
             if (not isinstance(entry, Mapping) or not isinstance(entry.get("part"), str)
                     or not isinstance(entry.get("driver"), (str, type(None)))):
                 raise ValueError("a loan's part needs 'part' (a string) and 'driver' (a string or null)")
             pairs.append((entry["part"], entry["driver"]))
-        return cls(resource, device_id, tuple(pairs))
+        return cls(str(handler), str(resource), str(device_id), tuple(pairs))
 
 
 @runtime_checkable

@@ -265,7 +265,7 @@ class PciHandler:
         return pool.spec.vfio_on_demand
 
     def plan_loan(self, pool: ResourcePool, device_id: str) -> Loan:
-        return plan(self._sysfs_root, self._proc_root, pool.resource, device_id, pool.devices[device_id])
+        return plan(self._sysfs_root, self._proc_root, self.name, pool.resource, device_id, pool.devices[device_id])
 
     def lend(self, pool: ResourcePool, loan: Loan, backend: str) -> DeviceInfo:
         return lend(self._sysfs_root, self._dev_root, loan, pool.devices[loan.device_id], backend)

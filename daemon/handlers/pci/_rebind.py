@@ -53,7 +53,7 @@ NODE_TIMEOUT = 2.0  # seconds for /dev/vfio/<group> (or a VFIO device node) to a
 _BLOCK_DEPTH = 6  # directories below a function where its block devices sit (SCSI: host/target/lun/block/sdX)
 
 
-def plan(sysfs_root: str, proc_root: str, resource: str, device_id: str, info: DeviceInfo) -> Loan:
+def plan(sysfs_root: str, proc_root: str, handler: str, resource: str, device_id: str, info: DeviceInfo) -> Loan:
     """The loan of the device ``device_id`` (record ``info``) as the host is now, or
     AllocationError naming the function and why it may not go to vfio-pci."""
     details: PciDetails = info.details
@@ -77,7 +77,7 @@ def plan(sysfs_root: str, proc_root: str, resource: str, device_id: str, info: D
         if driver != VFIO_DRIVER:
             _check_unused(device_dir, address, routes, mounted)
         parts.append((address, driver))
-    return Loan(resource, device_id, tuple(parts))
+    return Loan(handler, resource, device_id, tuple(parts))
 
 
 def lend(sysfs_root: str, dev_root: str, loan: Loan, info: DeviceInfo, backend: str) -> DeviceInfo:
