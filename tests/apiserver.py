@@ -927,12 +927,15 @@ users:
 
     def put_claim(self, namespace: str, name: str, uid: str | None = None,
                   results: Sequence[Mapping[str, Any]] | None = None,
-                  config: Sequence[Mapping[str, Any]] | None = None) -> str:
+                  config: Sequence[Mapping[str, Any]] | None = None,
+                  annotations: Mapping[str, str] | None = None) -> str:
         """Create or replace a claim as the scheduler leaves it. ``results`` are
         ``{request, driver, pool, device[, adminAccess, ...]}`` (a request ``<main>/<subrequest>``
         of a prioritized list counts for its main request); None means not allocated (no
         ``status.allocation``). ``config`` entries are ``{source?, requests?, opaque: {driver,
-        parameters}}`` (source defaults to FromClaim). ``uid`` defaults to a new one: a replaced claim."""
+        parameters}}`` (source defaults to FromClaim). ``uid`` defaults to a new one: a replaced claim.
+        ``annotations``: the claim's (a claim made from a template has
+        ``resource.kubernetes.io/pod-claim-name``)."""
         uid = uid or str(uuid.uuid4())
         counts: dict[str, int] = {}
         for result in results or []:
@@ -949,6 +952,8 @@ users:
         with self._cond:
             meta = {"name": name, "namespace": namespace, "uid": uid, "resourceVersion": self._bump(),
                     "generation": 1, "creationTimestamp": _now()}
+            if annotations:
+                meta["annotations"] = dict(annotations)
             self._claims[namespace, name] = _Stored(
                 {"metadata": meta, "spec": {"devices": {"requests": requests}}, "status": status},
                 "ResourceClaim", API_VERSION)

@@ -1,6 +1,6 @@
 """The real daemon's claims as the API server sees them: each prepared claim's ``status.devices``
-(KEP-4817). The API server stand-in over real HTTP, the kubelet stand-in's DRA side over real unix
-sockets, the fake sysfs."""
+(KEP-4817), and as a container sees them: its device metadata (KEP-5304). The API server
+stand-in over real HTTP, the kubelet stand-in's DRA side over real unix sockets, the fake sysfs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.seam import Seam, create_vfs
 from tests.test_dra_daemon import DRIVER, NODE, POOL, TOKEN, add_kvm, claim, config, dra_daemon, names, wait_published
+from tests.test_dra_metadata import CONTAINER_DIR, POD_CLAIM_NAME, container_with, json_stream, kubevirt_pci_address
 
 # the DRA daemon tests' fixtures: the API server, the kubelet stand-in, the daemon against both
 api, dra_kubelet, start_dra = daemon_tests.api, daemon_tests.dra_kubelet, daemon_tests.start_dra
@@ -165,3 +166,63 @@ def test_a_devnode_pool_with_count_is_one_shared_device_two_claims_hold_at_once(
         assert [r for r in api.requests if r.status == 422] == []
         assert api.internal_errors == []
         assert device["id"] == {"string": "kvm"}
+
+
+# -- device metadata (KEP-5304) ----------------------------------------------------------------
+
+
+def test_a_kubevirt_reader_in_the_container_finds_the_vfs_pci_address_in_its_device_metadata(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    """A claim KubeVirt's virt-launcher pod got from a template: the answer's CDI devices mount
+    the request's metadata file where the pod's name for the claim says, and a reader that
+    follows KubeVirt's rule finds the VF's PCI address there, with the attributes its slice has."""
+    vfs = create_vfs(host, None, 0, 1)
+    start_dra()
+    slice_attributes = wait_published(api, names(*vfs))[device_name(vfs[0])]
+    dra_kubelet.wait_for_dra(DRIVER)
+    name = "virt-launcher-vm1-hostdev-8xk2q"
+    results = [{"request": "hostdev", "driver": DRIVER, "pool": POOL, "device": device_name(vfs[0])}]
+    uid = api.put_claim("default", name, results=results, annotations={POD_CLAIM_NAME: "vf"})
+    (device,) = dra_kubelet.prepare([("default", uid, name)])[uid].devices
+    metadata_ids = [i for i in device.cdi_device_ids if i.startswith(f"{DRIVER}/metadata=")]
+    assert metadata_ids == [f"{DRIVER}/metadata={uid}_hostdev"]
+    container = container_with(short_tmp / "container", short_tmp / "cdi", metadata_ids)
+    request_dir = f"{CONTAINER_DIR}/resourceclaimtemplates/vf/hostdev"
+    assert kubevirt_pci_address(container, request_dir) == vfs[0]
+    (document,) = json_stream((container / request_dir.lstrip("/") / f"{DRIVER}-metadata.json").read_text())
+    assert document["metadata"] == {"name": name, "namespace": "default", "uid": uid, "generation": 1}
+    assert document["requests"][0]["devices"][0]["attributes"] == slice_attributes
+    host_file = short_tmp / "plugins" / DRIVER / "dra-device-metadata" / f"default_{name}" / "hostdev" / "metadata.json"
+    assert host_file.exists()
+    dra_kubelet.unprepare([("default", uid, name)])
+    assert not host_file.exists() and not (short_tmp / "cdi" / f"{DRIVER}_metadata_{uid}_hostdev.json").exists()
+
+
+def test_device_metadata_has_the_vfs_network_data_and_is_written_again_after_a_reboot(
+    api: ApiServer, host: FakeHost, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess],
+    short_tmp: Path
+) -> None:
+    (net,) = create_vfs(host, None, 1, 1, driver="iavf")
+    host.add_netdev(net, "ens1f0v1")
+    (host.sys / "class" / "net" / "ens1f0v1" / "address").write_text(f"{MAC}\n")
+    daemon = start_dra(with_net_pool())
+    wait_published(api, names(net), pool=NET_POOL)
+    dra_kubelet.wait_for_dra(DRIVER)
+    results = [{"request": "nic", "driver": DRIVER, "pool": NET_POOL, "device": device_name(net)}]
+    ref = ("default", api.put_claim("default", "vf", results=results), "vf")
+    dra_kubelet.prepare([ref])
+    host_file = short_tmp / "plugins" / DRIVER / "dra-device-metadata" / "default_vf" / "nic" / "metadata.json"
+    (document,) = json_stream(host_file.read_text())
+    assert document["requests"][0]["devices"][0]["networkData"] == {"interfaceName": "ens1f0v1",
+                                                                   "hardwareAddress": MAC}
+    spec = short_tmp / "cdi" / f"{DRIVER}_metadata_{ref[1]}_nic.json"
+    written = spec.read_bytes()
+    assert daemon.stop() == 0
+    spec.unlink()  # /var/run is a tmpfs
+    start_dra(with_net_pool())
+    dra_kubelet.wait_for_dra(DRIVER, registrations=2)
+    assert spec.read_bytes() == written  # at restore, before dra.sock was served
+    dra_kubelet.unprepare([ref])
+    assert not spec.exists() and not host_file.exists()

@@ -219,7 +219,8 @@ def test_a_claim_is_prepared_into_a_cdi_spec_and_unprepared(
     answer = dra_kubelet.prepare([ref])[ref[1]]
     (device,) = answer.devices
     assert (device.pool_name, device.device_name) == (POOL, device_name(vfs[1]))
-    assert list(device.cdi_device_ids) == [f"{DRIVER}/claim={ref[1]}-{device_name(vfs[1])}"]
+    assert list(device.cdi_device_ids) == [f"{DRIVER}/claim={ref[1]}-{device_name(vfs[1])}",
+                                           f"{DRIVER}/metadata={ref[1]}_vf"]  # its request's device metadata
     spec = json.loads((short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").read_text())
     edits = spec["devices"][0]["containerEdits"]
     assert f"PCIDEVICE_INTEL_COM_SRIOV_VFS={vfs[1]}" in edits["env"]

@@ -198,8 +198,10 @@ def _list(value: Any, where: str, malformed: Callable[[str], ClaimRefused]) -> l
 @dataclass(frozen=True)
 class PreparedDevice:
     """One device of a prepared claim: where it comes from (``resource``, ``device_id``), what
-    the kubelet was told (``pool_name``, ``device_name``, ``request_names``, ``cdi_id``, and
-    ``share_id``: the allocation's ``shareID`` of the device, or ``None``)."""
+    the kubelet was told (``pool_name``, ``device_name``, ``request_names``, ``cdi_id``,
+    ``share_id``: the allocation's ``shareID`` of the device, or ``None``, and
+    ``metadata_cdi_ids``: the device metadata CDI devices of the requests it is the first
+    device of, ``_metadata.py``)."""
 
     resource: str
     device_id: str
@@ -209,6 +211,12 @@ class PreparedDevice:
     admin_access: bool
     cdi_id: str
     share_id: str | None = None
+    metadata_cdi_ids: tuple[str, ...] = ()
+
+    @property
+    def cdi_ids(self) -> tuple[str, ...]:
+        """The CDI devices the kubelet is told of for this device."""
+        return (self.cdi_id, *self.metadata_cdi_ids)
 
     @property
     def cdi_name(self) -> str:
@@ -227,6 +235,8 @@ class PreparedDevice:
         }
         if self.share_id is not None:  # left out otherwise: the checkpoints of earlier versions read the same
             document["share_id"] = self.share_id
+        if self.metadata_cdi_ids:  # as share_id
+            document["metadata_cdi_ids"] = list(self.metadata_cdi_ids)
         return document
 
     @classmethod
@@ -243,32 +253,44 @@ class PreparedDevice:
             admin_access=_boolean(item, "admin_access"),
             cdi_id=_string(item, "cdi_id"),
             share_id=share_id,
+            metadata_cdi_ids=tuple(_strings(item, "metadata_cdi_ids")) if "metadata_cdi_ids" in item else (),
         )
 
 
 @dataclass(frozen=True)
 class PreparedClaim:
     """A claim as prepared: its identity, its devices, and the CDI spec written for it (the
-    document, ``None`` for a claim with no devices of ours, which needs no spec)."""
+    document, ``None`` for a claim with no devices of ours, which needs no spec); the pod's name
+    for it (its annotation ``resource.kubernetes.io/pod-claim-name``, ``None`` when it has none)
+    and the device metadata written for it (``_metadata.py``: each main request -> its
+    documents, newest version first; ``None`` when none was, as by earlier versions)."""
 
     uid: str
     namespace: str
     name: str
     devices: tuple[PreparedDevice, ...]
     cdi_spec: Mapping[str, Any] | None = None
+    pod_claim_name: str | None = None
+    device_metadata: Mapping[str, Sequence[Mapping[str, Any]]] | None = None
 
     @property
     def label(self) -> str:
         return f"claim {self.namespace}/{self.name}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document = {
             "uid": self.uid,
             "namespace": self.namespace,
             "name": self.name,
             "devices": [device.to_json() for device in self.devices],
             "cdi_spec": self.cdi_spec,
         }
+        if self.pod_claim_name is not None:  # left out otherwise, as a device's share_id
+            document["pod_claim_name"] = self.pod_claim_name
+        if self.device_metadata is not None:
+            document["device_metadata"] = {request: list(documents)
+                                           for request, documents in self.device_metadata.items()}
+        return document
 
     @classmethod
     def from_json(cls, item: object) -> PreparedClaim:
@@ -280,12 +302,22 @@ class PreparedClaim:
         spec = item.get("cdi_spec")
         if spec is not None and not isinstance(spec, dict):
             raise ValueError("'cdi_spec' must be an object or null")
+        pod_claim_name = item.get("pod_claim_name")
+        if pod_claim_name is not None and not isinstance(pod_claim_name, str):
+            raise ValueError(f"'pod_claim_name' must be a string, not {type(pod_claim_name).__name__}")
+        metadata = item.get("device_metadata")
+        if metadata is not None and not (isinstance(metadata, dict) and all(
+                isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
+                for documents in metadata.values())):
+            raise ValueError("'device_metadata' must be an object of lists of objects, or null")
         return cls(
             uid=_string(item, "uid"),
             namespace=_string(item, "namespace"),
             name=_string(item, "name"),
             devices=tuple(PreparedDevice.from_json(d) for d in devices),
             cdi_spec=spec,
+            pod_claim_name=pod_claim_name,
+            device_metadata=metadata,
         )
 
 

@@ -12,7 +12,8 @@ Started, it runs until the daemon stops:
   those slices, against its view of our slices there (``_view.py``);
 * the kubelet plugin (``_sockets.py``): ``dra.sock`` with DRAPlugin v1 and v1beta1 (prepare and
   unprepare through ``ClaimPreparer``, ``_prepare.py``) and DRAResourceHealth (``_health.py``),
-  and the registration socket in ``plugins_registry``;
+  and the registration socket in ``plugins_registry``; each prepared claim's device metadata
+  files (KEP-5304, ``_metadata.py``) in the plugin data directory beside ``dra.sock``;
 * the ``ClaimStatusWriter`` (``_status.py``): each prepared claim's ``status.devices``, written
   in the background;
 * the ``OrphanSweeper`` (``_orphans.py``): at start and every 45 s, each prepared claim read from
@@ -118,6 +119,7 @@ class DraDriver:
         """The kubelet plugin: its modules (gRPC services and the generated DRA messages) are
         imported here, when a DRA pool or a prepared claim first needs them."""
         from ._health import HealthServicer
+        from ._metadata import DeviceMetadataFiles
         from ._prepare import ClaimPreparer
         from ._servicer import DraPluginServicer
         from ._sockets import DraSockets
@@ -126,9 +128,14 @@ class DraDriver:
         settings = self._settings
         status = ClaimStatusWriter(settings.dra_driver, self.link.get, lambda: self._notifier.tree, self._hooks,
                                    settings.sysfs_root, self._metrics)
+        # KEP-5304's files in the plugin data directory (dra.sock's), each request's networkData
+        # with the hardware address its claim status has
+        metadata = DeviceMetadataFiles(settings.dra_driver, settings.dra_plugin_dir / settings.dra_driver,
+                                       settings.cdi_dir, self._hooks, hardware_addresses=status._read_addresses)
         preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, self.claims,
                                  lambda: self._notifier.tree, self._hooks, self._get_claim, self._claim_changed,
-                                 holders=self._holdings.holder, metrics=self._metrics, status=status)
+                                 holders=self._holdings.holder, metrics=self._metrics, status=status,
+                                 metadata=metadata)
         health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics)
         return preparer, status, health, DraSockets(settings, DraPluginServicer(preparer), health)
 

@@ -25,16 +25,17 @@ Prepare, for each claim of a call:
    container must see its own VFs in ``PCIDEVICE_*``, never its neighbour's. The request is the
    main one a container names: the results of a prioritized list's subrequest (``nic/fast``,
    KEP-4816) are the devices of ``nic``, and the kubelet is answered ``nic``;
-5. the claim's CDI spec (``_claimspecs.py``);
+5. the claim's CDI spec (``_claimspecs.py``), and each request's device metadata file and its
+   CDI spec (``_metadata.py``, KEP-5304);
 6. the checkpoint (``ClaimBook.add_made``), then the answer. 4, 5 and 6 run in one worker thread,
    one after the other (one trip to a thread, not three: each costs a wake-up of a thread and
-   one of the event loop). If 4, 5 or 6 fails, what was done is undone (spec removed, side files
-   released) and the claim's answer is the error.
+   one of the event loop). If 4, 5 or 6 fails, what was done is undone (specs and metadata
+   removed, side files released) and the claim's answer is the error.
 
 Every claim gets an answer of its own: one claim's failure, whatever it is, never fails another.
-Unprepare removes the spec, the side files (those no other prepared claim shares) and the book
-entry, in that order, in one worker thread; an unknown claim is already unprepared. A claim the
-kubelet will never unprepare (its ResourceClaim gone from the API server, or replaced:
+Unprepare removes the device metadata, the spec, the side files (those no other prepared claim
+shares) and the book entry, in that order, in one worker thread; an unknown claim is already
+unprepared. A claim the kubelet will never unprepare (its ResourceClaim gone from the API server, or replaced:
 ``_orphans.py``) is unprepared the same way (``release_orphans``). The claim's ``status.devices``
 lists the devices of a prepared claim, and no more once it is unprepared, written in the background
 (``_status.py``): a write that fails never fails nor delays the answer. The work under the lock is
@@ -75,6 +76,7 @@ from ._claims import (
     driver_results,
 )
 from ._claimspecs import Chosen, ClaimSpecs
+from ._metadata import ClaimMetadata, DeviceMetadataFiles, MetadataStays
 from ._status import ClaimStatusWriter
 
 log = logging.getLogger("devplugd.dra")
@@ -119,6 +121,7 @@ class ClaimPreparer:
         holders: HolderLookup | None = None,
         metrics: Metrics | None = None,
         status: ClaimStatusWriter | None = None,
+        metadata: DeviceMetadataFiles | None = None,
     ) -> None:
         self._driver = driver
         self._node = node_name
@@ -134,6 +137,8 @@ class ClaimPreparer:
         self._metrics = metrics or Metrics()
         # told of each claim prepared and unprepared, for its status.devices (in the background)
         self._status = status
+        # each request's device metadata file and its CDI spec (None: none written)
+        self._metadata = metadata
         self._lock = trio.Lock()
         # with a lost checkpoint: the claims whose specs say they were prepared before (None: not read yet)
         self._unaccounted: set[str] | None = None
@@ -197,6 +202,7 @@ class ClaimPreparer:
             raise ClaimRefused(fetched)
         before_loss = await self._check_accounted(ref)
         results = driver_results(fetched, ref, self._driver)
+        plan = self._metadata.plan(fetched, ref, results) if self._metadata is not None else None
         chosen = choose(self._tree(), self._node, self._specs.kind, ref, results, before_loss,
                         self._holders or self._book_holder, self._shares_of)
         if not chosen:
@@ -205,10 +211,10 @@ class ClaimPreparer:
         # allocation runs in its thread must not get these devices
         self._claims.reserve(PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen)))
         try:
-            claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen))
+            claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen, plan))
         except Exception as error:
             self._claims.unreserve(ref.uid)
-            await self._undo(ref.uid, chosen)
+            await self._undo(ref, chosen)
             if isinstance(error, OSError):  # the checkpoint's write (the spec's is a ClaimRefused)
                 raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
             raise
@@ -221,16 +227,17 @@ class ClaimPreparer:
         self._on_change(f"{ref.label} prepared")
         return PrepareResult(devices=claim.devices)
 
-    def _made(self, ref: ClaimRef, chosen: Sequence[Chosen]) -> PreparedClaim:
+    def _made(self, ref: ClaimRef, chosen: Sequence[Chosen], plan: ClaimMetadata | None) -> PreparedClaim:
         """(worker thread, the checkpoint's: ``ClaimBook.add_made``) Allocate the devices, write
-        the claim's CDI spec; the claim to checkpoint."""
+        the claim's CDI spec and (with ``plan``) its device metadata; the claim to checkpoint."""
         allocations = allocate(self._hooks, ref, chosen)
         spec = self._specs.document(ref.uid, chosen, allocations)
         try:
             self._specs.write(ref.uid, spec)
         except OSError as error:
             raise ClaimRefused(f"{ref.label}: cannot write its CDI spec {self.spec_path(ref.uid)}: {error}") from error
-        return PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec)
+        claim = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec)
+        return self._metadata.made(claim, chosen, plan) if self._metadata is not None and plan is not None else claim
 
     async def _check_accounted(self, ref: ClaimRef) -> bool:
         """With a lost checkpoint, only the claims that were prepared before may be prepared (again)
@@ -264,22 +271,35 @@ class ClaimPreparer:
         return hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
 
     async def _rewrite_spec_if_missing(self, claim: PreparedClaim) -> None:
-        if claim.cdi_spec is None or await trio.to_thread.run_sync(self.spec_path(claim.uid).exists):
-            return
-        log.warning("%s (UID %s): its CDI spec %s is missing; writing it again", claim.label, claim.uid,
-                    self.spec_path(claim.uid), extra={"EVENT": "prepare"})
-        try:
-            await trio.to_thread.run_sync(self._specs.write, claim.uid, claim.cdi_spec)
-        except OSError as error:
-            raise ClaimRefused(f"{claim.label}: cannot write its CDI spec {self.spec_path(claim.uid)} again: "
-                               f"{error}") from error
+        """Write again the claim's CDI spec if it is missing, and its device metadata files and
+        specs that are missing or say something else; ClaimRefused says which cannot be."""
+        if claim.cdi_spec is not None and not await trio.to_thread.run_sync(self.spec_path(claim.uid).exists):
+            log.warning("%s (UID %s): its CDI spec %s is missing; writing it again", claim.label, claim.uid,
+                        self.spec_path(claim.uid), extra={"EVENT": "prepare"})
+            try:
+                await trio.to_thread.run_sync(self._specs.write, claim.uid, claim.cdi_spec)
+            except OSError as error:
+                raise ClaimRefused(f"{claim.label}: cannot write its CDI spec {self.spec_path(claim.uid)} again: "
+                                   f"{error}") from error
+        if self._metadata is not None and claim.device_metadata:
+            rewritten = await trio.to_thread.run_sync(self._metadata.rewrite, claim)
+            if rewritten:
+                log.warning("%s (UID %s): its device metadata %s was missing or changed; written again", claim.label,
+                            claim.uid, ", ".join(map(str, rewritten)), extra={"EVENT": "prepare"})
 
-    async def _undo(self, uid: str, chosen: Sequence[Chosen]) -> None:
-        """Take back a prepare that failed half-way: its spec and its devices' side files."""
+    async def _undo(self, ref: ClaimRef, chosen: Sequence[Chosen]) -> None:
+        """Take back a prepare that failed half-way: its spec, its device metadata and its
+        devices' side files."""
+        uid = ref.uid
         try:
             await trio.to_thread.run_sync(self._specs.remove, uid)
         except OSError as error:
             log.error("cannot remove %s: %s", self.spec_path(uid), error, extra={"EVENT": "prepare"})
+        if self._metadata is not None:
+            try:
+                await trio.to_thread.run_sync(self._metadata.remove, ref.namespace, ref.name, uid)
+            except MetadataStays as error:
+                log.error("%s (UID %s): %s", ref.label, uid, error, extra={"EVENT": "prepare"})
         await self._release(uid, [(item.pool, item.device) for item in chosen])
 
     async def _release(self, uid: str, devices: Sequence[tuple[ResourcePool, PreparedDevice]]) -> None:
@@ -333,7 +353,11 @@ class ClaimPreparer:
         claim = self._claims.prepared(ref.uid)
         if claim is None:
             try:
+                if self._metadata is not None:  # a prepare that crashed before its checkpoint may have left some
+                    await trio.to_thread.run_sync(self._metadata.remove, ref.namespace, ref.name, ref.uid)
                 await trio.to_thread.run_sync(self._specs.remove, ref.uid)
+            except MetadataStays as stays:
+                return f"{ref.label}: {stays}"
             except OSError as error:
                 return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {error}"
         else:
@@ -342,6 +366,9 @@ class ClaimPreparer:
                                [(tree.pools[d.resource], d) for d in claim.devices if d.resource in tree.pools])
 
             def before() -> None:  # in the checkpoint's worker thread, before its write
+                if self._metadata is not None:  # MetadataStays: nothing else is done; None: look (an older claim)
+                    self._metadata.remove(claim.namespace, claim.name, claim.uid,
+                                          None if claim.device_metadata is None else claim.device_metadata.keys())
                 try:
                     self._specs.remove(ref.uid)
                 except OSError as error:
@@ -352,6 +379,8 @@ class ClaimPreparer:
                 await self._claims.remove(ref.uid, before=before)
             except _SpecStays as stays:
                 return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {stays.error}"
+            except MetadataStays as stays:
+                return f"{ref.label}: {stays}"
             except OSError as error:
                 return f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}"
             if orphaned is None:
@@ -391,6 +420,10 @@ class ClaimPreparer:
                 self._unaccounted = await trio.to_thread.run_sync(self._specs.uids) - set(self._claims.claims)
                 self._found_again_if_accounted()
                 return
+            if self._metadata is not None:
+                for path in await trio.to_thread.run_sync(self._metadata.remove_stale, set(self._claims.claims)):
+                    log.warning("removed the device metadata CDI spec %s and its file: its claim is not in the "
+                                "checkpoint", path, extra={"EVENT": "restore"})
             stale = await trio.to_thread.run_sync(self._specs.stale, set(self._claims.claims))
             for uid in stale:
                 log.warning("removing the CDI spec of claim UID %s: not in the checkpoint", uid,

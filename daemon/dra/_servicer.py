@@ -32,7 +32,7 @@ def _prepared(result: PrepareResult) -> dra.NodePrepareResourceResponse:
         return dra.NodePrepareResourceResponse(error=result.error)
     return dra.NodePrepareResourceResponse(devices=[
         dra.Device(request_names=device.request_names, pool_name=device.pool_name,
-                   device_name=device.device_name, cdi_device_ids=[device.cdi_id],
+                   device_name=device.device_name, cdi_device_ids=device.cdi_ids,
                    **({"share_id": device.share_id} if device.share_id is not None else {}))
         for device in result.devices
     ])
