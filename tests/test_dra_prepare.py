@@ -38,6 +38,7 @@ PF = "0000:3b:00.0"
 NET_VFS = ["0000:3b:02.0", "0000:3b:02.1"]  # iavf, with netdevs: intel.com/sriov_net
 VFIO_VFS = ["0000:3b:02.2", "0000:3b:02.3"]  # vfio-pci, IOMMU groups 42 and 43: intel.com/dpdk
 NET = "intel.com/sriov_net"
+VFIO_CONFIG = {"apiVersion": "devplugd.io/v1alpha1", "kind": "VfioConfig"}
 DPDK = "intel.com/dpdk"
 KVM = "devices.kubevirt.io/kvm"
 OTHER_DRIVER = "gpu.example.com"
@@ -371,14 +372,13 @@ async def test_subrequest_results_are_prepared_for_their_main_request_one_alloca
 async def test_config_naming_the_main_request_or_the_chosen_subrequest_applies(
     node: Node, requests: list[str], applies: bool
 ) -> None:
-    config = [{"source": "FromClass", "requests": requests, "opaque": {"driver": DRIVER, "parameters": {}}}]
+    config = [{"source": "FromClass", "requests": requests, "opaque": {"driver": DRIVER, "parameters": VFIO_CONFIG}}]
     ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0], "nic/fast")], config=config))
     answer = await node.prepare_one(ref)
-    if applies:
-        shown = ", ".join(requests) or "all requests"
+    if applies:  # a VfioConfig, for a pool that does not rebind its devices
         assert answer.error == (
-            "claim default/vfs: devplugd takes no claim parameters yet, but status.allocation.devices.config[0] is an "
-            f"opaque config for devplugd.io (source FromClass, {shown}) that applies to the result of request nic/fast")
+            "claim default/vfs: device '0000-3b-02-0' asks for vfio-pci (VfioConfig), but pool intel.com/sriov_net "
+            "does not take its devices to vfio-pci on demand (vfioOnDemand is not set)")
     else:  # a config of the subrequest the allocation did not choose is nobody's
         assert answer.error is None and [d.device_id for d in answer.devices] == [NET_VFS[0]]
 
@@ -563,13 +563,21 @@ async def test_device_that_is_not_free_is_refused(node: Node, change: Any, reaso
     assert (await node.prepare_one(ref)).error == f"claim default/vfs: device '0000-3b-02-0' ({NET_VFS[0]} of {NET}) {reason}"
 
 
-async def test_opaque_config_for_our_driver_is_refused(node: Node) -> None:
-    config = [{"source": "FromClaim", "requests": ["req"],
-               "opaque": {"driver": DRIVER, "parameters": {"apiVersion": "x/v1", "kind": "VfConfig"}}}]
+@pytest.mark.parametrize(("parameters", "message"), [
+    ({"apiVersion": "x/v1", "kind": "VfConfig"},
+     "parameters: devplugd takes only kind VfioConfig of devplugd.io/v1alpha1, not apiVersion 'x/v1', kind 'VfConfig'"),
+    ({**VFIO_CONFIG, "ifName": "net1"}, "parameters.ifName: unknown field of VfioConfig (it has apiVersion, kind, "
+                                        "backend)"),
+    ({**VFIO_CONFIG, "backend": "mdev"}, "parameters.backend: 'mdev' is not one of legacy, iommufd, preferIommufd"),
+    ("VfioConfig", "parameters is not an object (expected a VfioConfig of devplugd.io/v1alpha1)"),
+])
+async def test_an_opaque_config_for_our_driver_that_is_no_vfio_config_is_refused_naming_the_field(
+        node: Node, parameters: Any, message: str) -> None:
+    config = [{"source": "FromClaim", "requests": ["req"], "opaque": {"driver": DRIVER, "parameters": parameters}}]
     ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])], config=config))
     assert (await node.prepare_one(ref)).error == (
-        "claim default/vfs: devplugd takes no claim parameters yet, but status.allocation.devices.config[0] is an "
-        "opaque config for devplugd.io (source FromClaim, req) that applies to the result of request req")
+        f"claim default/vfs: status.allocation.devices.config[0].opaque.{message} (source FromClaim; for "
+        f"0000-3b-02-0 of pool node1/intel.com/sriov-net)")
     assert not node.spec_path(uid(1)).exists() and node.book.prepared(uid(1)) is None
 
 

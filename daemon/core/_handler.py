@@ -183,9 +183,10 @@ VFIO_BACKENDS = (VFIO_LEGACY, VFIO_IOMMUFD, VFIO_PREFER_IOMMUFD)
 
 @dataclass(frozen=True)
 class Loan:
-    """What handing one device to vfio-pci for a DRA claim takes: each of its parts (for PCI,
-    every function of its IOMMU group that is not a bridge), in the order they are rebound, with
-    the driver it goes back to (``None``: it had none)."""
+    """What handing one device to vfio-pci for a DRA claim takes: each of its parts that is not
+    on vfio-pci already (for PCI, the functions of its IOMMU group but the bridges), in the order
+    they are rebound, with the driver it goes back to (``None``: it had none). No parts: the
+    device is on vfio-pci already, nothing moves and nothing goes back."""
 
     handler: str  # the Lender's name: the loan is given back by it, whatever became of the pool
     resource: str
@@ -232,6 +233,12 @@ class Lender(Protocol):
         """Rebind every part of ``loan`` to vfio-pci (those already there stay); the device as it
         is then, with the device specs of ``backend`` (one of ``VFIO_BACKENDS``). AllocationError
         or OSError: a part could not be rebound (some may be: ``give_back`` undoes it)."""
+        ...
+
+    def keep_lent(self, loan: Loan) -> None:
+        """(at start) Rebind to vfio-pci every part of a prepared claim's loan that is not on it
+        (a reboot gave the parts back to their own drivers while the claim stayed prepared).
+        AllocationError or OSError: a part could not be rebound."""
         ...
 
     def give_back(self, loan: Loan) -> None:

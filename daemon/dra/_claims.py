@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from daemon.core import Loan
 from daemon.holdings import CLAIM, DurableBook, Holder, LostBook
 
 from ._devices import SHARES
+from ._vfioconfig import VfioConfig, parse_vfio_config
 
 CLAIMS_FILE = "dra-claims.json"
 
@@ -75,6 +77,7 @@ class AllocationResult:
     admin_access: bool
     share_id: str | None = None
     shares: int = 1  # of a shared device: the shares it consumed (consumedCapacity's ``shares``)
+    vfio: VfioConfig | None = None  # the VfioConfig that applies to it: the device goes to vfio-pci
 
     @property
     def main_request(self) -> str:
@@ -100,10 +103,11 @@ def config_applies(config_requests: Sequence[str], request: str) -> bool:
 
 def driver_results(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list[AllocationResult]:
     """The allocation results of ``driver`` in ``claim`` as the API server returns it, checked:
-    the UID the kubelet named, allocated, well formed, no opaque config for ``driver`` that
-    applies to one of them (devplugd takes no claim parameters yet; a config naming only a
-    subrequest the allocation did not choose applies to nothing); results of other drivers are
-    left out. ClaimRefused says what is wrong."""
+    the UID the kubelet named, allocated, well formed; an opaque config for ``driver`` that
+    applies to one of them must be a ``VfioConfig`` (``_vfioconfig.py``), which that result
+    carries (a config naming only a subrequest the allocation did not choose applies to
+    nothing; of two that apply, the later: the class's come before the claim's); results of
+    other drivers are left out. ClaimRefused says what is wrong."""
     label = ref.label
 
     def malformed(what: str) -> ClaimRefused:
@@ -157,12 +161,16 @@ def driver_results(claim: Mapping[str, Any], ref: ClaimRef, driver: str) -> list
         requests = _list(entry.get("requests"), f"{where}.requests", malformed)
         if not all(isinstance(request, str) for request in requests):
             raise malformed(f"{where}.requests is not a list of strings")
-        applied = next((result for result in results if config_applies(requests, result.request)), None)
-        if applied is not None:
-            shown = ", ".join(requests) if requests else "all requests"
-            raise ClaimRefused(f"{label}: devplugd takes no claim parameters yet, but {where} is an opaque config "
-                               f"for {driver} (source {entry.get('source')}, {shown}) that applies to the "
-                               f"result of request {applied.request}")
+        applies = [index for index, result in enumerate(results) if config_applies(requests, result.request)]
+        if not applies:
+            continue
+        try:
+            vfio = parse_vfio_config(opaque.get("parameters"), f"{where}.opaque.parameters")
+        except ValueError as error:
+            shown = ", ".join(f"{results[i].device} of pool {results[i].pool}" for i in applies)
+            raise ClaimRefused(f"{label}: {error} (source {entry.get('source')}; for {shown})") from error
+        for index in applies:  # a later config overrides an earlier one: the class's come first
+            results[index] = replace(results[index], vfio=vfio)
     return results
 
 
@@ -272,13 +280,18 @@ class PreparedClaim:
     cdi_spec: Mapping[str, Any] | None = None
     pod_claim_name: str | None = None
     device_metadata: Mapping[str, Sequence[Mapping[str, Any]]] | None = None
+    # devices taken to vfio-pci for the claim (``_loans.py``): each function and its own driver
+    loans: tuple[Loan, ...] = ()
+    # written before the first function leaves its driver, until the claim is prepared: a
+    # checkpoint that still says so at start is a Prepare a crash cut short
+    pending: bool = False
 
     @property
     def label(self) -> str:
         return f"claim {self.namespace}/{self.name}"
 
     def to_json(self) -> dict[str, Any]:
-        document = {
+        document: dict[str, Any] = {
             "uid": self.uid,
             "namespace": self.namespace,
             "name": self.name,
@@ -290,6 +303,10 @@ class PreparedClaim:
         if self.device_metadata is not None:
             document["device_metadata"] = {request: list(documents)
                                            for request, documents in self.device_metadata.items()}
+        if self.loans:  # as pod_claim_name
+            document["loans"] = [loan.to_json() for loan in self.loans]
+        if self.pending:
+            document["pending"] = True
         return document
 
     @classmethod
@@ -310,6 +327,12 @@ class PreparedClaim:
                 isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
                 for documents in metadata.values())):
             raise ValueError("'device_metadata' must be an object of lists of objects, or null")
+        loans = item.get("loans", [])
+        if not isinstance(loans, list) or not all(isinstance(loan, dict) for loan in loans):
+            raise ValueError("'loans' must be a list of objects")
+        pending = item.get("pending", False)
+        if not isinstance(pending, bool):
+            raise ValueError(f"'pending' must be true or false, not {type(pending).__name__}")
         return cls(
             uid=_string(item, "uid"),
             namespace=_string(item, "namespace"),
@@ -318,6 +341,8 @@ class PreparedClaim:
             cdi_spec=spec,
             pod_claim_name=pod_claim_name,
             device_metadata=metadata,
+            loans=tuple(Loan.from_json(loan) for loan in loans),
+            pending=pending,
         )
 
 
@@ -376,8 +401,10 @@ class ClaimBook:
         return self._book.records
 
     def prepared(self, uid: str) -> PreparedClaim | None:
-        """The claim as written to the checkpoint, or ``None``."""
-        return self._book.on_disk.get(uid)
+        """The claim as written to the checkpoint, or ``None`` (also while it is ``pending``: its
+        devices are being taken to vfio-pci, or a failed Prepare could not give them back)."""
+        claim = self._book.on_disk.get(uid)
+        return None if claim is None or claim.pending else claim
 
     def holders(self) -> Mapping[tuple[str, str], Holder]:
         """(resource, device ID) -> the claim it is prepared for (see ``_held_by``)."""

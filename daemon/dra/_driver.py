@@ -135,7 +135,7 @@ class DraDriver:
         preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, self.claims,
                                  lambda: self._notifier.tree, self._hooks, self._get_claim, self._claim_changed,
                                  holders=self._holdings.holder, metrics=self._metrics, status=status,
-                                 metadata=metadata)
+                                 metadata=metadata, post=self._post)
         health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics)
         return preparer, status, health, DraSockets(settings, DraPluginServicer(preparer), health)
 

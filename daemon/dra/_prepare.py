@@ -53,13 +53,13 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from daemon.core import ResourcePool
+from daemon.core import AllocationError, Lent, Loan, ResourcePool
 from daemon.core._handler import Hooks
 from daemon.core._tree import DeviceTree
 from daemon.holdings import Holder, HolderLookup
@@ -76,6 +76,7 @@ from ._claims import (
     driver_results,
 )
 from ._claimspecs import Chosen, ClaimSpecs
+from ._loans import ClaimLoans, Wanted, lent_claims, wanted_loans
 from ._metadata import ClaimMetadata, DeviceMetadataFiles, MetadataStays
 from ._status import ClaimStatusWriter
 
@@ -122,6 +123,7 @@ class ClaimPreparer:
         metrics: Metrics | None = None,
         status: ClaimStatusWriter | None = None,
         metadata: DeviceMetadataFiles | None = None,
+        post: Callable[[Lent], None] = lambda event: None,
     ) -> None:
         self._driver = driver
         self._node = node_name
@@ -139,6 +141,9 @@ class ClaimPreparer:
         self._status = status
         # each request's device metadata file and its CDI spec (None: none written)
         self._metadata = metadata
+        # devices a claim asks for on vfio-pci: taken from their drivers and given back; the
+        # handlers are told what is lent through ``post`` (the event bus)
+        self._loans = ClaimLoans(hooks, claims, post)
         self._lock = trio.Lock()
         # with a lost checkpoint: the claims whose specs say they were prepared before (None: not read yet)
         self._unaccounted: set[str] | None = None
@@ -207,14 +212,25 @@ class ClaimPreparer:
                         self._holders or self._book_holder, self._shares_of)
         if not chosen:
             return PrepareResult()
+        wanted = wanted_loans(ref, chosen, results)
         # held from the choice on, with no await between: a host lease granted while the
         # allocation runs in its thread must not get these devices
-        self._claims.reserve(PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen)))
+        reserved = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen))
+        self._claims.reserve(reserved)
+        loans: tuple[Loan, ...] = ()
         try:
-            claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen, plan))
+            if wanted:
+                planned = await trio.to_thread.run_sync(self._loans.plan, ref, wanted)
+                moving = [(item, loan) for item, loan in zip(wanted, planned, strict=True) if loan.parts]
+                if moving:  # a device on vfio-pci already is handed out as it is
+                    wanted, loans = [item for item, _ in moving], tuple(loan for _, loan in moving)
+                    chosen = await self._lend(ref, reserved, chosen, wanted, loans)
+            claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen, plan, loans))
         except Exception as error:
             self._claims.unreserve(ref.uid)
             await self._undo(ref, chosen)
+            if loans:
+                await self._give_back_after_failure(ref, loans)
             if isinstance(error, OSError):  # the checkpoint's write (the spec's is a ClaimRefused)
                 raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
             raise
@@ -227,16 +243,50 @@ class ClaimPreparer:
         self._on_change(f"{ref.label} prepared")
         return PrepareResult(devices=claim.devices)
 
-    def _made(self, ref: ClaimRef, chosen: Sequence[Chosen], plan: ClaimMetadata | None) -> PreparedClaim:
+    async def _lend(self, ref: ClaimRef, reserved: PreparedClaim, chosen: Sequence[Chosen], wanted: Wanted,
+                    loans: tuple[Loan, ...]) -> list[Chosen]:
+        """Take the devices of ``loans`` to vfio-pci: in the checkpoint first, pending (OSError:
+        nothing moved), the handlers told, then the rebinding (ClaimRefused: the caller gives
+        everything back); ``chosen`` with each lent device as it is then."""
+        await self._claims.add(replace(reserved, loans=loans, pending=True))
+        self._loans.announce(f"{ref.label} is being prepared")
+        started = time.perf_counter()
+        lent = await trio.to_thread.run_sync(self._loans.lend, ref, wanted, loans)
+        log.info("%s (UID %s): %s on vfio-pci in %.0f ms", ref.label, ref.uid,
+                 ", ".join(f"{part} (from {driver or 'no driver'})" for loan in loans for part, driver in loan.parts),
+                 (time.perf_counter() - started) * 1000, extra={"EVENT": "vfio"})
+        return [lent.get((item.device.resource, item.device.device_id), item) for item in chosen]
+
+    async def _give_back_after_failure(self, ref: ClaimRef, loans: Sequence[Loan]) -> None:
+        """A Prepare that failed after its loans were checkpointed: every function back to its
+        driver, then the pending entry dropped; when a function cannot go back, the entry stays
+        (the next start, or a Prepare of the claim, finds it) and the error is logged."""
+        try:
+            await trio.to_thread.run_sync(self._loans.give_back, ref.label, loans)
+        except AllocationError as error:
+            log.error("%s (UID %s): giving back what its failed Prepare took to vfio-pci failed: %s; it stays in "
+                      "the checkpoint, to be given back at the next start", ref.label, ref.uid, error,
+                      extra={"EVENT": "vfio"})
+            return
+        try:
+            await self._claims.remove(ref.uid)
+        except OSError as error:
+            log.error("%s (UID %s): cannot drop its pending entry from %s: %s", ref.label, ref.uid, self._claims.path,
+                      error, extra={"EVENT": "vfio"})
+        self._loans.announce(f"{ref.label} was not prepared")
+
+    def _made(self, ref: ClaimRef, chosen: Sequence[Chosen], plan: ClaimMetadata | None,
+              loans: tuple[Loan, ...] = ()) -> PreparedClaim:
         """(worker thread, the checkpoint's: ``ClaimBook.add_made``) Allocate the devices, write
-        the claim's CDI spec and (with ``plan``) its device metadata; the claim to checkpoint."""
+        the claim's CDI spec and (with ``plan``) its device metadata; the claim to checkpoint
+        (with the ``loans`` its devices are on vfio-pci under)."""
         allocations = allocate(self._hooks, ref, chosen)
         spec = self._specs.document(ref.uid, chosen, allocations)
         try:
             self._specs.write(ref.uid, spec)
         except OSError as error:
             raise ClaimRefused(f"{ref.label}: cannot write its CDI spec {self.spec_path(ref.uid)}: {error}") from error
-        claim = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec)
+        claim = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec, loans=loans)
         return self._metadata.made(claim, chosen, plan) if self._metadata is not None and plan is not None else claim
 
     async def _check_accounted(self, ref: ClaimRef) -> bool:
@@ -374,11 +424,15 @@ class ClaimPreparer:
                 except OSError as error:
                     raise _SpecStays(error) from error
                 release()
+                self._loans.give_back(claim.label, claim.loans)  # AllocationError: it stays prepared
 
             try:
                 await self._claims.remove(ref.uid, before=before)
             except _SpecStays as stays:
                 return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {stays.error}"
+            except AllocationError as stays:
+                return (f"{ref.label}: not every function it had on vfio-pci could go back to its driver: {stays}; "
+                        "it stays prepared (ask again)")
             except MetadataStays as stays:
                 return f"{ref.label}: {stays}"
             except OSError as error:
@@ -393,6 +447,8 @@ class ClaimPreparer:
                 if self._status is not None:
                     self._status.forget(ref.uid)
             self._on_change(f"{claim.label} unprepared")
+            if claim.loans:
+                self._loans.announce(f"{claim.label} unprepared")
         if self._unaccounted and ref.uid in self._unaccounted:
             self._unaccounted.discard(ref.uid)
             log.info("%s (UID %s), prepared before the checkpoint was lost, is unprepared; %d such claims left",
@@ -401,6 +457,29 @@ class ClaimPreparer:
         return None
 
     # -- start -----------------------------------------------------------------------------------
+    async def _restore_loans(self) -> None:
+        """At start, before anything else: the handlers told what the checkpoint has lent; a
+        pending claim (a Prepare a crash cut short, perhaps between two functions' binds) given
+        back and dropped (the kubelet, never answered, asks again); a prepared claim's devices
+        whole on vfio-pci again (a reboot gave them back to their drivers)."""
+        lent = lent_claims(self._claims.claims)
+        if not lent:
+            return
+        self._loans.announce("the checkpoint at start")
+        for claim in lent:
+            try:
+                if claim.pending:
+                    await trio.to_thread.run_sync(self._loans.give_back, claim.label, claim.loans)
+                    await self._claims.remove(claim.uid)
+                    log.warning("%s (UID %s): its Prepare was cut short (the daemon stopped while its devices went "
+                                "to vfio-pci); every function is back on its driver", claim.label, claim.uid,
+                                extra={"EVENT": "restore"})
+                else:
+                    await trio.to_thread.run_sync(self._loans.keep_lent, claim)
+            except (AllocationError, OSError) as error:
+                log.error("%s (UID %s): %s", claim.label, claim.uid, error, extra={"EVENT": "restore"})
+        self._loans.announce("the checkpoint at start, restored")
+
     async def restore(self) -> None:
         """At start: write again the specs of prepared claims that are missing (a reboot empties
         /var/run while the kubelet still counts the claims prepared) and remove claim specs of
@@ -409,7 +488,10 @@ class ClaimPreparer:
         specs are all that tells which claims were prepared. Every prepared claim's status is
         made to list its devices (in the background)."""
         async with self._lock:
+            await self._restore_loans()
             for claim in list(self._claims.claims.values()):
+                if claim.pending:
+                    continue  # its loans could not be given back: not prepared
                 if self._status is not None:  # a write a restart cut short is made now
                     self._status.prepared(claim)
                 try:

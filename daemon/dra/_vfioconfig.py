@@ -46,8 +46,8 @@ def parse_vfio_config(parameters: Any, where: str) -> VfioConfig:
         raise ValueError(f"{where} is not an object (expected a {VFIO_CONFIG_KIND} of {CONFIG_API_VERSION})")
     api_version, kind = parameters.get("apiVersion"), parameters.get("kind")
     if api_version != CONFIG_API_VERSION or kind != VFIO_CONFIG_KIND:
-        raise ValueError(f"{where} is apiVersion {api_version!r}, kind {kind!r}: devplugd takes only kind "
-                         f"{VFIO_CONFIG_KIND} of {CONFIG_API_VERSION}")
+        raise ValueError(f"{where}: devplugd takes only kind {VFIO_CONFIG_KIND} of {CONFIG_API_VERSION}, not "
+                         f"apiVersion {api_version!r}, kind {kind!r}")
     unknown = sorted(key for key in parameters if key not in _FIELDS)
     if unknown:
         raise ValueError(f"{where}.{unknown[0]}: unknown field of {VFIO_CONFIG_KIND} (it has "

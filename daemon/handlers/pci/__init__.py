@@ -61,7 +61,7 @@ from ._facts import PciFacts
 from ._folding import ERROR_EVENTS, fold_lent, fold_links, fold_uevent, recovery_concerns
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
-from ._rebind import give_back, is_bridge_at, lend, plan
+from ._rebind import bind_to_vfio, give_back, is_bridge_at, lend, plan
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 if TYPE_CHECKING:
@@ -269,6 +269,9 @@ class PciHandler:
 
     def lend(self, pool: ResourcePool, loan: Loan, backend: str) -> DeviceInfo:
         return lend(self._sysfs_root, self._dev_root, loan, pool.devices[loan.device_id], backend)
+
+    def keep_lent(self, loan: Loan) -> None:
+        bind_to_vfio(self._sysfs_root, loan)
 
     def give_back(self, loan: Loan) -> None:
         give_back(self._sysfs_root, loan)

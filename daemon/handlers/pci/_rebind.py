@@ -5,10 +5,11 @@ A device of such a pool is on its host driver (``nvme``, a GPU's) until a claim 
 (``VfioConfig``). Then every function of its IOMMU group goes to vfio-pci, the way an operator
 does it: ``driver_override`` set to ``vfio-pci``, ``driver/unbind``, then the address written to
 ``drivers/vfio-pci/bind``, function by function, lowest first. At Unprepare each goes back:
-``driver_override`` cleared, every function unbound from vfio-pci first (no host driver binds
-into a group vfio-pci still has), then bound to the driver it had through ``drivers/<driver>/bind``
-(an explicit bind works under a PF whose ``sriov_drivers_autoprobe`` is 0, where a probe would
-bind nothing); a function that had no driver stays with none.
+``driver_override`` set to the driver it had (a VF under a PF whose ``sriov_drivers_autoprobe``
+is 0 is probed by no driver without one, not even through an explicit bind), every function
+unbound from vfio-pci first (no host driver binds into a group vfio-pci still has), then bound
+to its driver through ``drivers/<driver>/bind`` and ``driver_override`` cleared; a function that
+had no driver stays with none.
 
 The checks come first and change nothing (``plan``): the group holds the device's functions and
 bridges only; no function carries the host's default route (read again: routes change after the
@@ -66,17 +67,19 @@ def plan(sysfs_root: str, proc_root: str, handler: str, resource: str, device_id
     if others:
         raise AllocationError(f"{functions[0]}: its IOMMU group {group} also holds {', '.join(others)}, which this "
                               "device does not include; the whole group would have to go to vfio-pci")
-    routes = read_default_route_interfaces(proc_root)
-    mounted = _mounted_devices(proc_root)
     parts: list[tuple[str, str | None]] = []
     for address in functions:
         device_dir = _device_dir(sysfs_root, address)
         if not os.path.isdir(device_dir):
             raise AllocationError(f"{address} is gone from sysfs")
         driver = link_name(device_dir + "/driver")
-        if driver != VFIO_DRIVER:
-            _check_unused(device_dir, address, routes, mounted)
-        parts.append((address, driver))
+        if driver != VFIO_DRIVER:  # one on vfio-pci already is not touched, and not given back
+            parts.append((address, driver))
+    if parts:
+        routes = read_default_route_interfaces(proc_root)
+        mounted = _mounted_devices(proc_root)
+        for address, _ in parts:
+            _check_unused(_device_dir(sysfs_root, address), address, routes, mounted)
     return Loan(handler, resource, device_id, tuple(parts))
 
 
@@ -84,22 +87,27 @@ def lend(sysfs_root: str, dev_root: str, loan: Loan, info: DeviceInfo, backend: 
     """Rebind every function of ``loan`` to vfio-pci; the device ``info`` as it is then, with
     the device nodes of ``backend``. AllocationError when a step fails (what was rebound stays:
     the caller gives the loan back)."""
+    bind_to_vfio(sysfs_root, loan)
+    return _on_vfio(sysfs_root, dev_root, info, backend)
+
+
+def bind_to_vfio(sysfs_root: str, loan: Loan) -> None:
+    """Every function of ``loan`` that is not on vfio-pci goes to it, lowest first."""
     drivers_dir = f"{sysfs_root}/bus/pci/drivers"
-    if not os.path.isdir(f"{drivers_dir}/{VFIO_DRIVER}"):
+    if loan.parts and not os.path.isdir(f"{drivers_dir}/{VFIO_DRIVER}"):
         raise AllocationError(f"{VFIO_DRIVER} is not loaded on this host ({drivers_dir}/{VFIO_DRIVER} is missing): "
                               f"load it (modprobe {VFIO_DRIVER}) before claims ask for it")
     for address, _ in loan.parts:
         device_dir = _device_dir(sysfs_root, address)
-        _write(f"{device_dir}/driver_override", VFIO_DRIVER, address)
         current = link_name(device_dir + "/driver")
         if current == VFIO_DRIVER:
             continue
+        _write(f"{device_dir}/driver_override", VFIO_DRIVER, address)
         if current is not None:
             _write(f"{device_dir}/driver/unbind", address, address)
             _wait_for_driver(device_dir, address, None)
         _write(f"{drivers_dir}/{VFIO_DRIVER}/bind", address, address)
         _wait_for_driver(device_dir, address, VFIO_DRIVER)
-    return _on_vfio(sysfs_root, dev_root, info, backend)
 
 
 def give_back(sysfs_root: str, loan: Loan) -> None:
@@ -107,33 +115,33 @@ def give_back(sysfs_root: str, loan: Loan) -> None:
     bound to its own. Tries every function; AllocationError naming those that failed."""
     drivers_dir = f"{sysfs_root}/bus/pci/drivers"
     failures: list[str] = []
-    leaving: list[tuple[str, str | None]] = []
+    leaving: list[tuple[str, str]] = []
     for address, home in loan.parts:
         device_dir = _device_dir(sysfs_root, address)
         try:
             if not os.path.isdir(device_dir):
                 log.warning("%s is gone from sysfs; nothing to give back", address, extra={"PCI_ADDR": address})
                 continue
-            _write(f"{device_dir}/driver_override", "\n", address)
+            # its own driver may probe it from now on, even under a PF whose sriov_drivers_autoprobe is 0
+            _write(f"{device_dir}/driver_override", home or "\n", address)
             current = link_name(device_dir + "/driver")
-            if current == home:
-                continue
-            if current is not None:
+            if current != home and current is not None:
                 _write(f"{device_dir}/driver/unbind", address, address)
                 _wait_for_driver(device_dir, address, None)
-            leaving.append((address, home))
+            if home is not None:
+                leaving.append((address, home))
         except AllocationError as error:
             failures.append(str(error))
     for address, home in leaving:
-        if home is None:
-            continue
         device_dir = _device_dir(sysfs_root, address)
         try:
-            if not os.path.isdir(f"{drivers_dir}/{home}"):
-                raise AllocationError(f"{address}: its driver {home} is not loaded any more ({drivers_dir}/{home} "
-                                      "is missing); it stays with no driver")
-            _write(f"{drivers_dir}/{home}/bind", address, address)
-            _wait_for_driver(device_dir, address, home)
+            if link_name(device_dir + "/driver") != home:
+                if not os.path.isdir(f"{drivers_dir}/{home}"):
+                    raise AllocationError(f"{address}: its driver {home} is not loaded any more ({drivers_dir}/{home} "
+                                          "is missing); it stays with no driver")
+                _write(f"{drivers_dir}/{home}/bind", address, address)
+                _wait_for_driver(device_dir, address, home)
+            _write(f"{device_dir}/driver_override", "\n", address)
         except AllocationError as error:
             failures.append(str(error))
     if failures:

@@ -1,0 +1,162 @@
+"""Devices a claim asks for on vfio-pci (``VfioConfig``): which (``wanted_loans``), the checks,
+the rebinding and the way back (``ClaimLoans``, through the handlers' ``daemon.core.Lender``
+hooks), for ``ClaimPreparer``.
+
+Crash safety is the claim checkpoint's: a claim whose devices are lent is written there with its
+loans (each function and the driver it goes back to) and ``pending`` before the first function
+leaves its driver, and as prepared once its CDI spec is written; Unprepare gives the loans back
+before the entry leaves the file. So a daemon killed at any point finds at start what it may
+have rebound: a pending entry (a Prepare cut short; the kubelet, never answered, asks again) is
+given back and dropped, a prepared one is made whole again (a reboot puts every function back on
+its own driver while the kubelet still counts the claim prepared). A device never stays on
+vfio-pci without a claim, and never goes back while a claim holds it.
+
+The handlers keep a lent function in its pool whatever driver the rebinding leaves it on (see
+``daemon.core.Lent``): ``announce`` tells each Lender every part the checkpoint has lent, before a
+loan starts and after one ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+
+from daemon.core import AllocationError, Lender, Lent, Loan
+from daemon.core._handler import Hooks
+
+from ._claims import AllocationResult, ClaimBook, ClaimRef, ClaimRefused, PreparedClaim
+from ._claimspecs import Chosen
+from ._vfioconfig import VfioConfig
+
+log = logging.getLogger("devplugd.dra")
+
+Wanted = list[tuple[Chosen, VfioConfig]]
+
+
+def wanted_loans(ref: ClaimRef, chosen: Sequence[Chosen], results: Sequence[AllocationResult]) -> Wanted:
+    """The chosen devices whose results carry a ``VfioConfig``, with it; ClaimRefused for a device
+    asked for with two backends, or on vfio-pci for admin access (which takes it from nobody)."""
+    configs: dict[tuple[str, str, str | None], set[VfioConfig]] = {}
+    for result in results:
+        if result.vfio is not None:
+            configs.setdefault((result.pool, result.device, result.share_id), set()).add(result.vfio)
+    wanted: Wanted = []
+    for item in chosen:
+        device = item.device
+        asked = configs.get((device.pool_name, device.device_name, device.share_id))
+        if not asked:
+            continue
+        if len(asked) > 1:
+            backends = ", ".join(sorted(config.backend for config in asked))
+            raise ClaimRefused(f"{ref.label}: device {device.device_name!r} ({device.device_id} of {device.resource}) "
+                               f"is asked for with the VfioConfig backends {backends}; one device has one")
+        if device.admin_access:
+            raise ClaimRefused(f"{ref.label}: device {device.device_name!r} ({device.device_id} of {device.resource}) "
+                               "is asked for with admin access and a VfioConfig: admin access takes it from nobody, "
+                               "so it cannot be taken from its driver")
+        wanted.append((item, next(iter(asked))))
+    return wanted
+
+
+class ClaimLoans:
+    """The loans of the claims in ``book``: planned, lent and given back through the handlers'
+    Lender hooks (their calls block: run them in a worker thread), and announced to the
+    handlers (``post``, the event bus)."""
+
+    def __init__(self, hooks: Mapping[str, Hooks], book: ClaimBook, post: Callable[[Lent], None]) -> None:
+        self._hooks = hooks
+        self._book = book
+        self._post = post
+        self._announced: set[str] = set()  # the handlers told of some lent part last time
+
+    def plan(self, ref: ClaimRef, wanted: Wanted) -> tuple[Loan, ...]:
+        """(worker thread) The loan of each wanted device, checked; nothing changes on the host.
+        ClaimRefused names the device, the function and why it may not go."""
+        loans = []
+        for item, _config in wanted:
+            pool, device = item.pool, item.device
+            hooks = self._hooks.get(pool.handler)
+            if hooks is None or hooks.lender is None or not hooks.lender.lends(pool.pool_config):
+                raise ClaimRefused(f"{ref.label}: device {device.device_name!r} asks for vfio-pci (VfioConfig), but "
+                                   f"pool {pool.resource} does not take its devices to vfio-pci on demand "
+                                   "(vfioOnDemand is not set)")
+            try:
+                loan = hooks.lender.plan_loan(pool, device.device_id)
+            except (AllocationError, OSError) as error:
+                raise ClaimRefused(f"{ref.label}: device {device.device_name!r} ({device.device_id} of "
+                                   f"{pool.resource}) cannot go to vfio-pci: {error}") from error
+            homes = self._homes(loan.handler)  # a part lent already (a Prepare whose giving back failed)
+            loans.append(replace(loan, parts=tuple((part, homes.get(part, driver)) for part, driver in loan.parts)))
+        return tuple(loans)
+
+    def lend(self, ref: ClaimRef, wanted: Wanted, loans: Sequence[Loan]) -> dict[tuple[str, str], Chosen]:
+        """(worker thread) Every loan's functions to vfio-pci; each lent device (by resource and
+        ID) as it is then, in its pool, for the allocation. ClaimRefused names the device and the step that
+        failed; what was rebound stays so (the caller gives every loan back)."""
+        lent: dict[tuple[str, str], Chosen] = {}
+        for (item, config), loan in zip(wanted, loans, strict=True):
+            lender = self._lender(loan)
+            try:
+                info = lender.lend(item.pool, loan, config.backend)
+            except (AllocationError, OSError) as error:
+                raise ClaimRefused(f"{ref.label}: device {item.device.device_name!r} ({loan.device_id} of "
+                                   f"{loan.resource}) could not go to vfio-pci: {error}") from error
+            pool = replace(item.pool, devices={**item.pool.devices, loan.device_id: info})
+            lent[loan.resource, loan.device_id] = Chosen(pool, item.device)
+        return lent
+
+    def give_back(self, label: str, loans: Sequence[Loan]) -> None:
+        """(worker thread) Every loan back to its functions' drivers; AllocationError naming what
+        stays on vfio-pci (after trying every loan)."""
+        failures = []
+        for loan in loans:
+            try:
+                self._lender(loan).give_back(loan)
+            except (AllocationError, OSError) as error:
+                failures.append(f"{loan.device_id} of {loan.resource}: {error}")
+                continue
+            log.info("%s: %s of %s is back on %s", label, loan.device_id, loan.resource,
+                     ", ".join(sorted({driver or "no driver" for _, driver in loan.parts})),
+                     extra={"EVENT": "vfio", "RESOURCE": loan.resource})
+        if failures:
+            raise AllocationError("; ".join(failures))
+
+    def keep_lent(self, claim: PreparedClaim) -> None:
+        """(worker thread, at start) Every loan of a prepared claim whole on vfio-pci again;
+        AllocationError naming what could not be."""
+        failures = []
+        for loan in claim.loans:
+            try:
+                self._lender(loan).keep_lent(loan)
+            except (AllocationError, OSError) as error:
+                failures.append(f"{loan.device_id} of {loan.resource}: {error}")
+        if failures:
+            raise AllocationError("; ".join(failures))
+
+    def _homes(self, handler: str) -> dict[str, str | None]:
+        """The parts of ``handler`` the book has lent, and their own drivers."""
+        return {part: driver for claim in self._book.claims.values() for loan in claim.loans
+                if loan.handler == handler for part, driver in loan.parts}
+
+    def announce(self, reason: str) -> None:
+        """Tell every Lender the parts the checkpoint (and the claims being added) has lent now:
+        one ``Lent`` per handler with some, and to those that had some before, an empty one."""
+        parts: dict[str, dict[str, str | None]] = {}
+        for claim in self._book.claims.values():
+            for loan in claim.loans:
+                parts.setdefault(loan.handler, {}).update(loan.parts)
+        for handler in sorted(parts.keys() | self._announced):
+            self._post(Lent(handler, tuple(sorted(parts.get(handler, {}).items())), reason))
+        self._announced = set(parts)
+
+    def _lender(self, loan: Loan) -> Lender:
+        hooks = self._hooks.get(loan.handler)
+        if hooks is None or hooks.lender is None:
+            raise AllocationError(f"no handler {loan.handler!r} to give {loan.device_id} of {loan.resource} back")
+        return hooks.lender
+
+
+def lent_claims(claims: Mapping[str, PreparedClaim]) -> list[PreparedClaim]:
+    """The claims with loans, pending ones first (a Prepare cut short: given back at start)."""
+    return sorted((claim for claim in claims.values() if claim.loans), key=lambda claim: not claim.pending)
