@@ -131,7 +131,7 @@ class DraDriver:
         # KEP-5304's files in the plugin data directory (dra.sock's), each request's networkData
         # with the hardware address its claim status has
         metadata = DeviceMetadataFiles(settings.dra_driver, settings.dra_plugin_dir / settings.dra_driver,
-                                       settings.cdi_dir, self._hooks, hardware_addresses=status._read_addresses)
+                                       settings.cdi_dir, self._hooks, hardware_addresses=status.read_addresses)
         preparer = ClaimPreparer(settings.dra_driver, settings.node_name, settings.cdi_dir, self.claims,
                                  lambda: self._notifier.tree, self._hooks, self._get_claim, self._claim_changed,
                                  holders=self._holdings.holder, metrics=self._metrics, status=status,

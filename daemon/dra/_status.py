@@ -210,7 +210,7 @@ class ClaimStatusWriter:
         tree = self._tree()
         netdevs = {index: netdev for index, device in enumerate(devices)
                    if (netdev := self._netdev(tree, device)) is not None}
-        addresses = await trio.to_thread.run_sync(self._read_addresses, sorted(set(netdevs.values())),
+        addresses = await trio.to_thread.run_sync(self.read_addresses, sorted(set(netdevs.values())),
                                                   limiter=self._limiter) if netdevs else {}
         entries: list[JsonObject] = []
         listed: set[tuple[str, str, str | None]] = set()
@@ -246,8 +246,9 @@ class ClaimStatusWriter:
             return None
         return netdev if isinstance(netdev, str) and netdev else None
 
-    def _read_addresses(self, netdevs: Sequence[str]) -> dict[str, str]:
-        """(worker thread) Each interface's hardware address, as sysfs has it."""
+    def read_addresses(self, netdevs: Sequence[str]) -> dict[str, str]:
+        """(worker thread) Each interface's hardware address, as sysfs has it (the claim's status
+        and its device metadata say it in networkData)."""
         addresses = {}
         for netdev in netdevs:
             path = self._sysfs_root / "class" / "net" / netdev / "address"
