@@ -111,7 +111,7 @@ class MetadataNode(Node):
     def restart(self, **options: Any) -> None:
         status = ClaimStatusWriter(DRIVER, no_api, self.tree, self.hooks, self.host.sys)
         self.metadata = DeviceMetadataFiles(DRIVER, self.plugin_dir, self.cdi_dir, self.hooks,
-                                            hardware_addresses=status._read_addresses)
+                                            hardware_addresses=status.read_addresses)
         super().restart(metadata=self.metadata, **options)
 
     def metadata_path(self, name: str, request: str, namespace: str = "default") -> Path:
