@@ -208,7 +208,8 @@ class DeviceMetadataFiles:
                 try:
                     if _content(target) == content:
                         continue
-                    target.parent.mkdir(parents=True, exist_ok=True)
+                    if not target.parent.is_dir():  # a mkdir of a directory that is there costs one too
+                        target.parent.mkdir(parents=True, exist_ok=True)
                     write_atomically(target, content, mode=0o644, durable=False)
                 except OSError as error:
                     what = "device metadata" if target == path else "device metadata CDI spec"
