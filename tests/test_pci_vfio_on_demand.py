@@ -117,17 +117,17 @@ def test_a_function_with_the_default_route_or_a_mounted_namespace_is_refused_bef
     host.add_netdev(vfs[1], "ens9")
     host.add_default_route("ens9")
     with pytest.raises(AllocationError, match=f"{vfs[1]} carries the host's default route \\(interface ens9\\)"):
-        pci.handler.plan_loan(pool, vfs[1])
+        pci.handler.check_loan(pci.handler.plan_loan(pool, vfs[1]))
 
     namespace = add_namespace(host, vfs[2], "nvme2", "259:7")
     (host.proc / "1").mkdir(exist_ok=True)
     (host.proc / "1" / "mountinfo").write_text("36 25 259:7 / /data rw,relatime shared:1 - ext4 /dev/nvme2n1 rw\n")
     with pytest.raises(AllocationError, match=f"{vfs[2]}: its block device nvme2n1 \\(259:7\\) is mounted"):
-        pci.handler.plan_loan(pool, vfs[2])
+        pci.handler.check_loan(pci.handler.plan_loan(pool, vfs[2]))
     (host.proc / "1" / "mountinfo").write_text("")
     (namespace / "holders" / "dm-0").mkdir(parents=True)
     with pytest.raises(AllocationError, match=f"{vfs[2]}: its block device nvme2n1 is held by dm-0"):
-        pci.handler.plan_loan(pool, vfs[2])
+        pci.handler.check_loan(pci.handler.plan_loan(pool, vfs[2]))
     assert [os.readlink(host.device_dir(vf) / "driver").rpartition("/")[2] for vf in vfs] == ["nvme"] * 3
 
 

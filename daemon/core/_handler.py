@@ -224,9 +224,15 @@ class Lender(Protocol):
         ...
 
     def plan_loan(self, pool: ResourcePool, device_id: str) -> Loan:
-        """The loan of ``device_id``, read from the host as it is now; AllocationError naming the
-        part and the reason when it may not go (it carries the host's default route, a block
-        device of it is mounted, its group holds a part the pool does not offer)."""
+        """The loan of ``device_id``: its parts not on vfio-pci, read from the host as it is now
+        (a few links: cheap enough for the event loop); AllocationError when the device cannot
+        be lent whole (its group holds a part the pool does not offer)."""
+        ...
+
+    def check_loan(self, loan: Loan) -> None:
+        """(blocks: a worker thread) AllocationError naming the part and the reason when a part
+        of ``loan`` may not leave its driver (it carries the host's default route, a block device
+        of it is mounted or held)."""
         ...
 
     def lend(self, pool: ResourcePool, loan: Loan, backend: str) -> DeviceInfo:

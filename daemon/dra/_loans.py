@@ -71,8 +71,9 @@ class ClaimLoans:
         self._announced: set[str] = set()  # the handlers told of some lent part last time
 
     def plan(self, ref: ClaimRef, wanted: Wanted) -> tuple[Loan, ...]:
-        """(worker thread) The loan of each wanted device, checked; nothing changes on the host.
-        ClaimRefused names the device, the function and why it may not go."""
+        """The loan of each wanted device (what would move; a few sysfs links, read on the event
+        loop); nothing changes on the host. ClaimRefused names the device and why it cannot be
+        lent whole."""
         loans = []
         for item, _config in wanted:
             pool, device = item.pool, item.device
@@ -89,6 +90,16 @@ class ClaimLoans:
             homes = self._homes(loan.handler)  # a part lent already (a Prepare whose giving back failed)
             loans.append(replace(loan, parts=tuple((part, homes.get(part, driver)) for part, driver in loan.parts)))
         return tuple(loans)
+
+    def check(self, ref: ClaimRef, wanted: Wanted, loans: Sequence[Loan]) -> None:
+        """(worker thread) ClaimRefused naming the device, the function and why it may not leave
+        its driver; nothing changes on the host."""
+        for (item, _config), loan in zip(wanted, loans, strict=True):
+            try:
+                self._lender(loan).check_loan(loan)
+            except (AllocationError, OSError) as error:
+                raise ClaimRefused(f"{ref.label}: device {item.device.device_name!r} ({loan.device_id} of "
+                                   f"{loan.resource}) cannot go to vfio-pci: {error}") from error
 
     def lend(self, ref: ClaimRef, wanted: Wanted, loans: Sequence[Loan]) -> dict[tuple[str, str], Chosen]:
         """(worker thread) Every loan's functions to vfio-pci; each lent device (by resource and

@@ -220,10 +220,11 @@ class ClaimPreparer:
         loans: tuple[Loan, ...] = ()
         try:
             if wanted:
-                planned = await trio.to_thread.run_sync(self._loans.plan, ref, wanted)
+                planned = self._loans.plan(ref, wanted)
                 moving = [(item, loan) for item, loan in zip(wanted, planned, strict=True) if loan.parts]
                 if moving:  # a device on vfio-pci already is handed out as it is
                     wanted, loans = [item for item, _ in moving], tuple(loan for _, loan in moving)
+                    await trio.to_thread.run_sync(self._loans.check, ref, wanted, loans)
                     chosen = await self._lend(ref, reserved, chosen, wanted, loans)
             claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen, plan, loans))
         except Exception as error:

@@ -61,7 +61,7 @@ from ._facts import PciFacts
 from ._folding import ERROR_EVENTS, fold_lent, fold_links, fold_uevent, recovery_concerns
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
-from ._rebind import bind_to_vfio, give_back, is_bridge_at, lend, plan
+from ._rebind import bind_to_vfio, check, give_back, is_bridge_at, lend, plan
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 if TYPE_CHECKING:
@@ -265,7 +265,10 @@ class PciHandler:
         return pool.spec.vfio_on_demand
 
     def plan_loan(self, pool: ResourcePool, device_id: str) -> Loan:
-        return plan(self._sysfs_root, self._proc_root, self.name, pool.resource, device_id, pool.devices[device_id])
+        return plan(self._sysfs_root, self.name, pool.resource, device_id, pool.devices[device_id])
+
+    def check_loan(self, loan: Loan) -> None:
+        check(self._sysfs_root, self._proc_root, loan)
 
     def lend(self, pool: ResourcePool, loan: Loan, backend: str) -> DeviceInfo:
         return lend(self._sysfs_root, self._dev_root, loan, pool.devices[loan.device_id], backend)

@@ -11,13 +11,14 @@ unbound from vfio-pci first (no host driver binds into a group vfio-pci still ha
 to its driver through ``drivers/<driver>/bind`` and ``driver_override`` cleared; a function that
 had no driver stays with none.
 
-The checks come first and change nothing (``plan``): the group holds the device's functions and
-bridges only; no function carries the host's default route (read again: routes change after the
-pool was built); no block device of a function is mounted, used as swap or held by another
-block device (device-mapper, md). A write the kernel refuses, a driver link that does not
-follow within ``BIND_TIMEOUT``, a node that does not appear: AllocationError naming the function,
-the file and the reason. Nothing here remembers anything: the DRA preparer records each loan in
-its checkpoint before ``lend`` and keeps it until ``give_back`` returned.
+The checks come first and change nothing (``plan``, then ``check`` for the functions that would
+move): the group holds the device's functions and bridges only; no function carries the host's
+default route (read again: routes change after the pool was built); no block device of a
+function is mounted, used as swap or held by another block device (device-mapper, md). A write
+the kernel refuses, a driver link that does not follow within ``BIND_TIMEOUT``, a node that does
+not appear: AllocationError naming the function, the file and the reason. Nothing here
+remembers anything: the DRA preparer records each loan in its checkpoint before ``lend`` and
+keeps it until ``give_back`` returned.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ NODE_TIMEOUT = 2.0  # seconds for /dev/vfio/<group> (or a VFIO device node) to a
 _BLOCK_DEPTH = 6  # directories below a function where its block devices sit (SCSI: host/target/lun/block/sdX)
 
 
-def plan(sysfs_root: str, proc_root: str, handler: str, resource: str, device_id: str, info: DeviceInfo) -> Loan:
-    """The loan of the device ``device_id`` (record ``info``) as the host is now, or
-    AllocationError naming the function and why it may not go to vfio-pci."""
+def plan(sysfs_root: str, handler: str, resource: str, device_id: str, info: DeviceInfo) -> Loan:
+    """The loan of the device ``device_id`` (record ``info``) as the host is now: its functions
+    not on vfio-pci and their drivers; AllocationError when its group is not what the device is."""
     details: PciDetails = info.details
     functions = [record.device.address for record in details.functions]
     group = link_name(_device_dir(sysfs_root, functions[0]) + "/iommu_group")
@@ -75,12 +76,17 @@ def plan(sysfs_root: str, proc_root: str, handler: str, resource: str, device_id
         driver = link_name(device_dir + "/driver")
         if driver != VFIO_DRIVER:  # one on vfio-pci already is not touched, and not given back
             parts.append((address, driver))
-    if parts:
-        routes = read_default_route_interfaces(proc_root)
-        mounted = _mounted_devices(proc_root)
-        for address, _ in parts:
-            _check_unused(_device_dir(sysfs_root, address), address, routes, mounted)
     return Loan(handler, resource, device_id, tuple(parts))
+
+
+def check(sysfs_root: str, proc_root: str, loan: Loan) -> None:
+    """AllocationError naming the function of ``loan`` that must not leave its driver, and why."""
+    if not loan.parts:
+        return
+    routes = read_default_route_interfaces(proc_root)
+    mounted = _mounted_devices(proc_root)
+    for address, _ in loan.parts:
+        _check_unused(_device_dir(sysfs_root, address), address, routes, mounted)
 
 
 def lend(sysfs_root: str, dev_root: str, loan: Loan, info: DeviceInfo, backend: str) -> DeviceInfo:
