@@ -266,4 +266,4 @@ class DurableBook(Generic[T]):
             raise OSError(f"not overwriting {self._path}: {self._lost}")
         self._path.parent.mkdir(parents=True, exist_ok=True)
         document = {"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]}
-        write_atomically(self._path, json.dumps(document, indent=1, sort_keys=self._sort_keys).encode())
+        write_atomically(self._path, json.dumps(document, separators=(",", ":"), sort_keys=self._sort_keys).encode())
