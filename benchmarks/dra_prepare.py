@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks._common import (
     DaemonFailure,
@@ -145,11 +146,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=20.0, help="per wait, seconds (default: %(default)s)")
     parser.add_argument("--vfs", type=int, default=DEFAULT_VFS,
                         help="VFs in the pool, 64 per PF (default: %(default)s; 1024: 8 slices rewritten per call)")
+    parser.add_argument("--vfio-config", action="store_true",
+                        help="the pool sets vfioOnDemand (drivers: vfio-pci) and each claim carries a VfioConfig: "
+                             "the devices are on vfio-pci already, so nothing is rebound")
     arguments = parser.parse_args(argv)
     vfs = arguments.vfs
+    config = dra_config()
+    claim_config: list[dict[str, Any]] = []
+    if arguments.vfio_config:
+        (pool,) = config["resourceList"]
+        pool.update(deviceType="pciDevice", vfioOnDemand=True)
+        claim_config = [{"source": "FromClass", "requests": ["vf"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "devplugd.io/v1alpha1", "kind": "VfioConfig"}}}]
 
     print(f"dra_prepare: one DRA pool of {vfs} vfio-pci VFs; {arguments.claims} fresh claims of one device, each "
-          f"prepared then unprepared through the kubelet stand-in over dra.sock ({arguments.warmup} warm-up rounds)",
+          f"prepared then unprepared through the kubelet stand-in over dra.sock ({arguments.warmup} warm-up rounds)"
+          + ("; vfioOnDemand pool, each claim with a VfioConfig (FromClass)" if arguments.vfio_config else ""),
           flush=True)
     print(machine_line(), flush=True)
     print(revision_line(), flush=True)
@@ -161,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         seam = Seam(base / "uevents.sock")
         kubelet = FakeKubelet(base / "device-plugins", base / "plugins_registry")
         kubelet.start()
-        daemon = dra_daemon(base, host, dra_config(), api, seam, env)
+        daemon = dra_daemon(base, host, config, api, seam, env)
         cdi_dir = host_dir / "cdi"  # tmpfs, as /var/run/cdi
         daemon.arguments[daemon.arguments.index("--cdi-dir") + 1] = str(cdi_dir)
         daemon.arguments[daemon.arguments.index("--devinfo-dir") + 1] = str(host_dir / "devinfo")
@@ -192,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 name = device_name(address)
                 claim_name = f"bench-{number}"
                 uid = api.put_claim(NAMESPACE, claim_name, results=[
-                    {"request": "vf", "driver": DRIVER, "pool": POOL, "device": name}])
+                    {"request": "vf", "driver": DRIVER, "pool": POOL, "device": name}], config=claim_config)
                 ref = (NAMESPACE, uid, claim_name)
                 with api._cond:
                     handled_before = len(api.handled)
