@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 import daemon.holdings._book
-from daemon.dra._claims import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
+from daemon.dra._prepared import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
 from daemon.files import write_atomically
 from daemon.holdings import CLAIM, Holder
 

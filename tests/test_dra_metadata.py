@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from daemon.dra import device_name, pool_name, slice_devices
-from daemon.dra._claims import PreparedClaim
 from daemon.dra._metadata import DeviceMetadataFiles
+from daemon.dra._prepared import PreparedClaim
 from daemon.dra._status import ClaimStatusWriter
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci

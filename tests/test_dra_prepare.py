@@ -23,8 +23,9 @@ from daemon.core import UNHEALTHY
 from daemon.core._handler import Hooks, allocate_container
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
-from daemon.dra._claims import CLAIMS_FILE, ClaimBook, ClaimNotFound, ClaimRef
+from daemon.dra._claims import ClaimNotFound, ClaimRef
 from daemon.dra._prepare import ClaimPreparer, PrepareResult
+from daemon.dra._prepared import CLAIMS_FILE, ClaimBook
 from daemon.dra._servicer import DraPluginServicer, add_to_server
 from daemon.sockets import start_unix_server
 from tests import trees

@@ -27,7 +27,6 @@ from ._explain import (
 from ._handler import (
     HEALTH_LOST,
     HEALTH_RESTORED,
-    VFIO_BACKENDS,
     VFIO_IOMMUFD,
     VFIO_LEGACY,
     VFIO_PREFER_IOMMUFD,
@@ -72,7 +71,6 @@ __all__ = [
     "REFUSED",
     "TOOK",
     "UNHEALTHY",
-    "VFIO_BACKENDS",
     "VFIO_IOMMUFD",
     "VFIO_LEGACY",
     "VFIO_PREFER_IOMMUFD",

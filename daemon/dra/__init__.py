@@ -7,11 +7,11 @@ behind them) is imported on first use: a host without DRA pools never loads it (
 
 from typing import Any
 
-from ._claims import ClaimBook
 from ._deviceclasses import DeviceClassError, device_class_name, device_classes, rbac_objects
 from ._devices import qualified_name_problem, slice_devices, string_problem
 from ._driver import DraDriver
 from ._names import device_name, pool_name
+from ._prepared import ClaimBook
 from ._slices import slice_bodies
 
 _PLUGIN_SIDE = {"HealthServicer": "_health", "SUPPORTED_VERSIONS": "_sockets", "DraSockets": "_sockets",

@@ -18,9 +18,10 @@ from daemon.core._handler import Hooks, allocate_container
 from daemon.core._tree import DeviceTree
 from daemon.holdings import HolderLookup, claim_asks, refusal, road_refusal
 
-from ._claims import AllocationResult, ClaimRef, ClaimRefused, PreparedClaim, PreparedDevice
+from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
 from ._names import device_name, pool_name
+from ._prepared import PreparedClaim, PreparedDevice
 
 log = logging.getLogger("devplugd.dra")
 

@@ -26,8 +26,8 @@ from daemon.core import ContainerAllocation, DeviceSpec, ResourcePool
 from daemon.core._jsonpath import parse_json
 from daemon.files import write_atomically
 
-from ._claims import PreparedDevice
 from ._names import device_name
+from ._prepared import PreparedDevice
 
 
 @dataclass(frozen=True)

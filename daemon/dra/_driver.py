@@ -43,10 +43,11 @@ from daemon.metrics import Metrics
 from daemon.settings import Settings
 from daemon.supervise import Backoff, keep_running
 
-from ._claims import ClaimBook, ClaimNotFound
+from ._claims import ClaimNotFound
 from ._kube import ApiLink, KubeError, NotFound
 from ._orphans import SWEEP_PERIOD, OrphanSweeper
 from ._pools import DraPools
+from ._prepared import ClaimBook
 from ._publisher import SlicePublisher
 
 if TYPE_CHECKING:

@@ -19,14 +19,18 @@ loan starts and after one ended.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+
+import trio
 
 from daemon.core import AllocationError, Lender, Lent, Loan
 from daemon.core._handler import Hooks
 
-from ._claims import AllocationResult, ClaimBook, ClaimRef, ClaimRefused, PreparedClaim
+from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
+from ._prepared import ClaimBook, PreparedClaim
 from ._vfioconfig import VfioConfig
 
 log = logging.getLogger("devplugd.dra")
@@ -69,6 +73,62 @@ class ClaimLoans:
         self._book = book
         self._post = post
         self._announced: set[str] = set()  # the handlers told of some lent part last time
+
+    async def take(self, ref: ClaimRef, reserved: PreparedClaim, chosen: Sequence[Chosen], wanted: Wanted,
+                   loans: tuple[Loan, ...]) -> list[Chosen]:
+        """Take the devices of ``loans`` to vfio-pci: into the checkpoint first, as the claim
+        ``reserved`` pending (OSError: nothing moved), the handlers told, then the rebinding
+        (ClaimRefused: the caller gives everything back); ``chosen`` with each lent device as it
+        is then."""
+        await self._book.add(replace(reserved, loans=loans, pending=True))
+        self.announce(f"{ref.label} is being prepared")
+        started = time.perf_counter()
+        lent = await trio.to_thread.run_sync(self.lend, ref, wanted, loans)
+        log.info("%s (UID %s): %s on vfio-pci in %.0f ms", ref.label, ref.uid,
+                 ", ".join(f"{part} (from {driver or 'no driver'})" for loan in loans for part, driver in loan.parts),
+                 (time.perf_counter() - started) * 1000, extra={"EVENT": "vfio"})
+        return [lent.get((item.device.resource, item.device.device_id), item) for item in chosen]
+
+    async def give_back_failed(self, ref: ClaimRef, loans: Sequence[Loan]) -> None:
+        """A Prepare that failed after its loans were checkpointed: every function back to its
+        driver, then the pending entry dropped; when a function cannot go back, the entry stays
+        (the next start finds it) and the error is logged."""
+        try:
+            await trio.to_thread.run_sync(self.give_back, ref.label, loans)
+        except AllocationError as error:
+            log.error("%s (UID %s): giving back what its failed Prepare took to vfio-pci failed: %s; it stays in "
+                      "the checkpoint, to be given back at the next start", ref.label, ref.uid, error,
+                      extra={"EVENT": "vfio"})
+            return
+        try:
+            await self._book.remove(ref.uid)
+        except OSError as error:
+            log.error("%s (UID %s): cannot drop its pending entry from %s: %s", ref.label, ref.uid, self._book.path,
+                      error, extra={"EVENT": "vfio"})
+        self.announce(f"{ref.label} was not prepared")
+
+    async def restore(self) -> None:
+        """At start, before anything else: the handlers told what the checkpoint has lent; a
+        pending claim (a Prepare a crash cut short, perhaps between two functions' binds) given
+        back and dropped (the kubelet, never answered, asks again); a prepared claim's devices
+        whole on vfio-pci again (a reboot gave them back to their drivers)."""
+        lent = lent_claims(self._book.claims)
+        if not lent:
+            return
+        self.announce("the checkpoint at start")
+        for claim in lent:
+            try:
+                if claim.pending:
+                    await trio.to_thread.run_sync(self.give_back, claim.label, claim.loans)
+                    await self._book.remove(claim.uid)
+                    log.warning("%s (UID %s): its Prepare was cut short (the daemon stopped while its devices went "
+                                "to vfio-pci); every function is back on its driver", claim.label, claim.uid,
+                                extra={"EVENT": "restore"})
+                else:
+                    await trio.to_thread.run_sync(self.keep_lent, claim)
+            except (AllocationError, OSError) as error:
+                log.error("%s (UID %s): %s", claim.label, claim.uid, error, extra={"EVENT": "restore"})
+        self.announce("the checkpoint at start, restored")
 
     def plan(self, ref: ClaimRef, wanted: Wanted) -> tuple[Loan, ...]:
         """The loan of each wanted device (what would move; a few sysfs links, read on the event

@@ -49,9 +49,11 @@ from daemon.core._handler import Hooks
 from daemon.core._jsonpath import parse_json
 from daemon.files import write_atomically
 
-from ._claims import AllocationResult, ClaimRef, ClaimRefused, PreparedClaim
+from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
 from ._devices import slice_devices
+from ._metadocs import API_VERSIONS, Document, device_entry, netdev_of, new_document, read_stream, stream
+from ._prepared import PreparedClaim
 
 log = logging.getLogger("devplugd.dra")
 
@@ -62,20 +64,15 @@ CLAIMS_SUBDIR = "resourceclaims"
 TEMPLATES_SUBDIR = "resourceclaimtemplates"
 POD_CLAIM_NAME = "resource.kubernetes.io/pod-claim-name"  # a claim's annotation, set for one made from a template
 CDI_VERSION = "0.5.0"  # as the helper writes it
-KIND = "DeviceMetadata"
-API_VERSIONS = ("metadata.resource.k8s.io/v1alpha1",)  # newest first; each has v1alpha1's fields today
-GENERATION = 1  # a document's first write
 # any effect: an Unhealthy device gets its entry too (its taint is no attribute)
 _EVERY_DEVICE = "NoSchedule"
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 # a spec's file name after ``<driver>_metadata_``: a request name has no ``_``, a UID may
 _SPEC_NAME = re.compile(r"(?P<uid>[A-Za-z0-9][A-Za-z0-9_.:-]*)_(?P<request>[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)\.json")
 
 # (worker thread) each network interface's hardware address, as the claim status reads it
 HardwareAddresses = Callable[[Sequence[str]], Mapping[str, str]]
-Document = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -153,10 +150,12 @@ class DeviceMetadataFiles:
             if published is None:
                 log.warning("%s: device %s of %s is in no slice entry to take attributes from; its device "
                             "metadata has none", claim.label, device.device_id, device.resource)
-            entry = _device_entry(self._driver, device.pool_name, device.device_name, published, addresses)
+            entry = device_entry(self._driver, device.pool_name, device.device_name, published, addresses)
             for request in device.request_names:
                 if request not in documents:
-                    documents[request] = [_document(version, claim, plan, request) for version in API_VERSIONS]
+                    named = plan.requests.get(request, request)  # as the allocation names it: nic/fast
+                    documents[request] = [new_document(version, claim, plan.pod_claim_name, named)
+                                          for version in API_VERSIONS]
                 for document in documents[request]:
                     document["requests"][0]["devices"].append(entry)
             ids = tuple(self.cdi_id(claim.uid, request) for request in new)
@@ -190,7 +189,7 @@ class DeviceMetadataFiles:
 
     def _addresses(self, attributes: Iterable[Mapping[str, Any]]) -> Mapping[str, str]:
         """Each netdev's hardware address, as the claim status has it (none without its reader)."""
-        netdevs = sorted({netdev for each in attributes if (netdev := _netdev(each)) is not None})
+        netdevs = sorted({netdev for each in attributes if (netdev := netdev_of(each)) is not None})
         if not netdevs or self._hardware_addresses is None:
             return {}
         return self._hardware_addresses(netdevs)
@@ -316,30 +315,6 @@ class DeviceMetadataFiles:
         return found
 
 
-def stream(documents: Sequence[Mapping[str, Any]]) -> bytes:
-    """A metadata file's content: the documents, each indented as the helper's encoder does
-    and followed by a newline, one after the other."""
-    return "".join(json.dumps(document, indent=2, ensure_ascii=False) + "\n" for document in documents).encode()
-
-
-def read_stream(data: bytes) -> list[Any]:
-    """The documents of a metadata file, in their order (ValueError: not a JSON stream)."""
-    text, decoder = data.decode(), json.JSONDecoder()
-    documents: list[Any] = []
-    at = _after_space(text, 0)
-    while at < len(text):
-        document, at = decoder.raw_decode(text, at)
-        documents.append(document)
-        at = _after_space(text, at)
-    return documents
-
-
-def _after_space(text: str, at: int) -> int:
-    """Where the JSON whitespace from ``at`` on ends."""
-    space = _JSON_SPACE.match(text, at)
-    return space.end() if space is not None else at
-
-
 def _pod_claim_name(claim: Mapping[str, Any], ref: ClaimRef) -> str | None:
     """The claim's annotation ``resource.kubernetes.io/pod-claim-name`` (``None`` when it has
     none), checked: a name a pod spec can give a claim (a DNS label), or empty, which the helper
@@ -357,43 +332,6 @@ def _pod_claim_name(claim: Mapping[str, Any], ref: ClaimRef) -> str | None:
         raise ClaimRefused(f"{ref.label}: its annotation {POD_CLAIM_NAME} is {value!r}, not the name of a claim in a "
                            "pod spec (a DNS label), so its devices' metadata has no place in the container")
     return value
-
-
-def _document(api_version: str, claim: PreparedClaim, plan: ClaimMetadata, request: str) -> Document:
-    """One request's ``DeviceMetadata`` in ``api_version``, its devices to add; keys in the
-    order the helper's types give them."""
-    document: Document = {
-        "kind": KIND,
-        "apiVersion": api_version,
-        "metadata": {"name": claim.name, "namespace": claim.namespace, "uid": claim.uid, "generation": GENERATION},
-    }
-    if plan.pod_claim_name is not None:
-        document["podClaimName"] = plan.pod_claim_name
-    document["requests"] = [{"name": plan.requests.get(request, request), "devices": []}]
-    return document
-
-
-def _device_entry(driver: str, pool: str, name: str, attributes: Mapping[str, Any] | None,
-                  addresses: Mapping[str, str]) -> Document:
-    """A device of a request: where it comes from, its published attributes (sorted, as Go
-    writes a map), its network interface."""
-    entry: Document = {"driver": driver, "pool": pool, "name": name}
-    if attributes:
-        entry["attributes"] = {key: attributes[key] for key in sorted(attributes)}
-    if (netdev := _netdev(attributes or {})) is not None:
-        network = {"interfaceName": netdev}
-        if (address := addresses.get(netdev)) is not None:
-            network["hardwareAddress"] = address
-        entry["networkData"] = network
-    return entry
-
-
-def _netdev(attributes: Mapping[str, Any]) -> str | None:
-    """The device's network interface on the host: its ``netdev`` attribute, as the claim
-    status's ``networkData`` takes it."""
-    value = attributes.get("netdev")
-    netdev = value.get("string") if isinstance(value, Mapping) else None
-    return netdev if isinstance(netdev, str) and netdev else None
 
 
 def _unlink(path: Path, what: str, errors: list[str]) -> bool:

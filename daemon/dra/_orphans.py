@@ -25,7 +25,8 @@ from typing import Any
 
 import trio
 
-from ._claims import ClaimBook, ClaimNotFound, ClaimRef
+from ._claims import ClaimNotFound, ClaimRef
+from ._prepared import ClaimBook
 
 log = logging.getLogger("devplugd.dra")
 

@@ -4,47 +4,33 @@ with no gRPC in it: ``daemon.dra._servicer`` is the gRPC face.
 Prepare, for each claim of a call:
 
 1. a claim the book already has (by UID) is answered from the book, its CDI spec written again
-   if it went missing; the API server is not asked (the UID names one claim for ever, and an
-   idempotent answer should not fail because the API server is slow);
+   if it went missing; the API server is not asked (the UID names one claim for ever);
 2. the others are read from the API server, all of a call at once, each within
-   ``CLAIM_GET_TIMEOUT``, before the one lock every Prepare and Unprepare of the daemon takes
-   (as the Go helper does);
+   ``CLAIM_GET_TIMEOUT``, before the one lock every Prepare and Unprepare takes (as the Go
+   helper does);
 3. under the lock: the claim must have the UID the kubelet named and be allocated; of its
-   ``status.allocation.devices``, the results of other drivers are ignored, an opaque config for
-   ours that applies to one of our results is refused (devplugd takes no claim parameters yet;
-   ``_claims.config_applies``), and every result of ours must name a DRA pool of this node and
-   a device in it that the one availability rule (``daemon.holdings.refusal``) lets it have
-   (``_choice.choose``): Healthy, not under a host lease, not held by a pod through the
-   device-plugin API, not prepared for another claim (unless one of the two allocations is
-   admin access, which takes the device from no one), not held by a lost book;
-4. for each request and pool, one ``allocate_container`` for the claim's devices of that
-   request in that pool (``_choice.allocate``; so ``PCIDEVICE_*`` lists them all, as one
-   Allocate for one container would; netDevice pools write their device-info files). Per
-   request, because a container gets the devices of its requests only: the claim the scheduler
-   makes for a pod's ``resources.limits`` (KEP-5004) has one request per container, and each
-   container must see its own VFs in ``PCIDEVICE_*``, never its neighbour's. The request is the
-   main one a container names: the results of a prioritized list's subrequest (``nic/fast``,
-   KEP-4816) are the devices of ``nic``, and the kubelet is answered ``nic``;
-5. the claim's CDI spec (``_claimspecs.py``), and each request's device metadata file and its
-   CDI spec (``_metadata.py``, KEP-5304);
-6. the checkpoint (``ClaimBook.add_made``), then the answer. 4, 5 and 6 run in one worker thread,
-   one after the other (one trip to a thread, not three: each costs a wake-up of a thread and
-   one of the event loop). If 4, 5 or 6 fails, what was done is undone (specs and metadata
-   removed, side files released) and the claim's answer is the error.
+   results, those of other drivers are ignored, a config of ours must be a ``VfioConfig``
+   (``_claims.driver_results``), and every result of ours must name a DRA pool of this node and
+   a device the one availability rule (``daemon.holdings.refusal``) lets it have
+   (``_choice.choose``);
+4. the devices a ``VfioConfig`` asks for on vfio-pci are taken from their drivers
+   (``_loans.py``: checked, checkpointed pending, rebound);
+5. for each request and pool, one ``allocate_container`` for the claim's devices of that request
+   in that pool (``_choice.allocate``: a container gets the devices of its own requests only;
+   a prioritized list's subrequest ``nic/fast`` counts as ``nic``); the claim's CDI spec
+   (``_claimspecs.py``) and each request's device metadata (``_metadata.py``, KEP-5304); the
+   checkpoint (``ClaimBook.add_made``), then the answer. These run in one worker thread (one trip
+   to a thread, not three). If one fails, what was done is undone and the claim's answer is the
+   error.
 
-Every claim gets an answer of its own: one claim's failure, whatever it is, never fails another.
-Unprepare removes the device metadata, the spec, the side files (those no other prepared claim
-shares) and the book entry, in that order, in one worker thread; an unknown claim is already
-unprepared. A claim the kubelet will never unprepare (its ResourceClaim gone from the API server, or replaced:
-``_orphans.py``) is unprepared the same way (``release_orphans``). The claim's ``status.devices``
-lists the devices of a prepared claim, and no more once it is unprepared, written in the background
-(``_status.py``): a write that fails never fails nor delays the answer. The work under the lock is
-shielded from cancellation (a kubelet that gives up mid-way), so a claim is never left half
-prepared.
-
-With a lost book (its checkpoint could not be read) only the claims whose specs say they were
-prepared before may be prepared (again) until they are all unprepared: nobody knows which devices
-they hold. Then (or when an operator runs ``devplugd clear-lost claims``) the book is found again.
+Every claim gets an answer of its own: one claim's failure never fails another. Unprepare removes
+the device metadata, the spec, the side files (those no other prepared claim shares), gives back
+what went to vfio-pci, then drops the book entry, in one worker thread; an unknown claim is
+already unprepared. A claim the kubelet will never unprepare (``_orphans.py``) is unprepared the
+same way (``release_orphans``). ``status.devices`` is written in the background (``_status.py``).
+The work under the lock is shielded from cancellation (a kubelet that gives up mid-way), so a
+claim is never left half prepared. With a lost book, only the claims prepared before the loss
+may be prepared (``_unaccounted.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +39,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,19 +52,13 @@ from daemon.holdings import Holder, HolderLookup
 from daemon.metrics import Metrics
 
 from ._choice import allocate, choose, releaser
-from ._claims import (
-    ClaimBook,
-    ClaimNotFound,
-    ClaimRef,
-    ClaimRefused,
-    PreparedClaim,
-    PreparedDevice,
-    driver_results,
-)
+from ._claims import ClaimNotFound, ClaimRef, ClaimRefused, driver_results
 from ._claimspecs import Chosen, ClaimSpecs
-from ._loans import ClaimLoans, Wanted, lent_claims, wanted_loans
+from ._loans import ClaimLoans, wanted_loans
 from ._metadata import ClaimMetadata, DeviceMetadataFiles, MetadataStays
+from ._prepared import ClaimBook, PreparedClaim, PreparedDevice
 from ._status import ClaimStatusWriter
+from ._unaccounted import UnaccountedClaims
 
 log = logging.getLogger("devplugd.dra")
 
@@ -96,11 +76,7 @@ class PrepareResult:
 
 
 class _SpecStays(Exception):
-    """An unprepared claim's CDI spec could not be removed (``error``): nothing else was done."""
-
-    def __init__(self, error: OSError) -> None:
-        super().__init__(str(error))
-        self.error = error
+    """An unprepared claim's CDI spec could not be removed (the message: why): nothing else was done."""
 
 
 GetClaim = Callable[[str, str], Awaitable[Mapping[str, Any]]]
@@ -145,8 +121,8 @@ class ClaimPreparer:
         # handlers are told what is lent through ``post`` (the event bus)
         self._loans = ClaimLoans(hooks, claims, post)
         self._lock = trio.Lock()
-        # with a lost checkpoint: the claims whose specs say they were prepared before (None: not read yet)
-        self._unaccounted: set[str] | None = None
+        # with a lost checkpoint: the claims whose specs say they were prepared before
+        self._unaccounted = UnaccountedClaims(claims, self._specs)
 
     def spec_path(self, uid: str) -> Path:
         return self._specs.path(uid)
@@ -205,7 +181,7 @@ class ClaimPreparer:
             raise ClaimRefused(f"{ref.label} was unprepared while this call waited; ask again")
         if isinstance(fetched, str):
             raise ClaimRefused(fetched)
-        before_loss = await self._check_accounted(ref)
+        before_loss = await self._unaccounted.prepared_before(ref)
         results = driver_results(fetched, ref, self._driver)
         plan = self._metadata.plan(fetched, ref, results) if self._metadata is not None else None
         chosen = choose(self._tree(), self._node, self._specs.kind, ref, results, before_loss,
@@ -223,58 +199,26 @@ class ClaimPreparer:
                 planned = self._loans.plan(ref, wanted)
                 moving = [(item, loan) for item, loan in zip(wanted, planned, strict=True) if loan.parts]
                 if moving:  # a device on vfio-pci already is handed out as it is
-                    wanted, loans = [item for item, _ in moving], tuple(loan for _, loan in moving)
-                    await trio.to_thread.run_sync(self._loans.check, ref, wanted, loans)
-                    chosen = await self._lend(ref, reserved, chosen, wanted, loans)
+                    wanted, planned = [item for item, _ in moving], tuple(loan for _, loan in moving)
+                    await trio.to_thread.run_sync(self._loans.check, ref, wanted, planned)
+                    loans = planned  # from here on, what failed gives them back
+                    chosen = await self._loans.take(ref, reserved, chosen, wanted, loans)
             claim = await self._claims.add_made(ref.uid, lambda: self._made(ref, chosen, plan, loans))
         except Exception as error:
             self._claims.unreserve(ref.uid)
             await self._undo(ref, chosen)
             if loans:
-                await self._give_back_after_failure(ref, loans)
+                await self._loans.give_back_failed(ref, loans)
             if isinstance(error, OSError):  # the checkpoint's write (the spec's is a ClaimRefused)
                 raise ClaimRefused(f"{ref.label}: cannot write the checkpoint {self._claims.path}: {error}") from error
             raise
-        if self._unaccounted:
-            self._unaccounted.discard(ref.uid)
+        self._unaccounted.prepared(ref.uid)
         if self._status is not None:
             self._status.prepared(claim)
         log.info("prepared %s (UID %s): %s", ref.label, ref.uid,
                  ", ".join(f"{c.device.device_id} of {c.device.resource}" for c in chosen), extra={"EVENT": "prepare"})
         self._on_change(f"{ref.label} prepared")
         return PrepareResult(devices=claim.devices)
-
-    async def _lend(self, ref: ClaimRef, reserved: PreparedClaim, chosen: Sequence[Chosen], wanted: Wanted,
-                    loans: tuple[Loan, ...]) -> list[Chosen]:
-        """Take the devices of ``loans`` to vfio-pci: in the checkpoint first, pending (OSError:
-        nothing moved), the handlers told, then the rebinding (ClaimRefused: the caller gives
-        everything back); ``chosen`` with each lent device as it is then."""
-        await self._claims.add(replace(reserved, loans=loans, pending=True))
-        self._loans.announce(f"{ref.label} is being prepared")
-        started = time.perf_counter()
-        lent = await trio.to_thread.run_sync(self._loans.lend, ref, wanted, loans)
-        log.info("%s (UID %s): %s on vfio-pci in %.0f ms", ref.label, ref.uid,
-                 ", ".join(f"{part} (from {driver or 'no driver'})" for loan in loans for part, driver in loan.parts),
-                 (time.perf_counter() - started) * 1000, extra={"EVENT": "vfio"})
-        return [lent.get((item.device.resource, item.device.device_id), item) for item in chosen]
-
-    async def _give_back_after_failure(self, ref: ClaimRef, loans: Sequence[Loan]) -> None:
-        """A Prepare that failed after its loans were checkpointed: every function back to its
-        driver, then the pending entry dropped; when a function cannot go back, the entry stays
-        (the next start, or a Prepare of the claim, finds it) and the error is logged."""
-        try:
-            await trio.to_thread.run_sync(self._loans.give_back, ref.label, loans)
-        except AllocationError as error:
-            log.error("%s (UID %s): giving back what its failed Prepare took to vfio-pci failed: %s; it stays in "
-                      "the checkpoint, to be given back at the next start", ref.label, ref.uid, error,
-                      extra={"EVENT": "vfio"})
-            return
-        try:
-            await self._claims.remove(ref.uid)
-        except OSError as error:
-            log.error("%s (UID %s): cannot drop its pending entry from %s: %s", ref.label, ref.uid, self._claims.path,
-                      error, extra={"EVENT": "vfio"})
-        self._loans.announce(f"{ref.label} was not prepared")
 
     def _made(self, ref: ClaimRef, chosen: Sequence[Chosen], plan: ClaimMetadata | None,
               loans: tuple[Loan, ...] = ()) -> PreparedClaim:
@@ -289,29 +233,6 @@ class ClaimPreparer:
             raise ClaimRefused(f"{ref.label}: cannot write its CDI spec {self.spec_path(ref.uid)}: {error}") from error
         claim = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(c.device for c in chosen), spec, loans=loans)
         return self._metadata.made(claim, chosen, plan) if self._metadata is not None and plan is not None else claim
-
-    async def _check_accounted(self, ref: ClaimRef) -> bool:
-        """With a lost checkpoint, only the claims that were prepared before may be prepared (again)
-        until they are all unprepared: nobody knows which devices they hold. Whether ``ref`` is
-        one of those."""
-        if self._claims.lost is None:
-            return False
-        if self._unaccounted is None:
-            self._unaccounted = await trio.to_thread.run_sync(self._specs.uids) - set(self._claims.claims)
-            self._found_again_if_accounted()
-            if self._claims.lost is None:
-                return False
-        if ref.uid in self._unaccounted:
-            return True
-        shown = ", ".join(sorted(self._unaccounted)[:5]) + (", ..." if len(self._unaccounted) > 5 else "")
-        raise ClaimRefused(f"{ref.label}: not prepared: {self._claims.lost}; the devices of the "
-                           f"{len(self._unaccounted)} claims prepared before are unknown, so no other claim is "
-                           f"prepared until they are unprepared ({shown})")
-
-    def _found_again_if_accounted(self) -> None:
-        """Every claim prepared before the loss is unprepared: nothing unknown is held any more."""
-        if self._unaccounted is not None and not self._unaccounted and self._claims.lost is not None:
-            self._claims.book.clear_lost("devplugd: every claim prepared before the loss is unprepared")
 
     def _book_holder(self, pool: ResourcePool, device_id: str) -> Holder | None:
         """Without the daemon's holdings (alone, in a test): the claim book's word."""
@@ -340,23 +261,19 @@ class ClaimPreparer:
 
     async def _undo(self, ref: ClaimRef, chosen: Sequence[Chosen]) -> None:
         """Take back a prepare that failed half-way: its spec, its device metadata and its
-        devices' side files."""
-        uid = ref.uid
+        devices' side files (those no other prepared claim shares; a handler that fails is
+        logged: a stale side file is rewritten by the next allocation)."""
         try:
-            await trio.to_thread.run_sync(self._specs.remove, uid)
+            await trio.to_thread.run_sync(self._specs.remove, ref.uid)
         except OSError as error:
-            log.error("cannot remove %s: %s", self.spec_path(uid), error, extra={"EVENT": "prepare"})
+            log.error("cannot remove %s: %s", self.spec_path(ref.uid), error, extra={"EVENT": "prepare"})
         if self._metadata is not None:
             try:
-                await trio.to_thread.run_sync(self._metadata.remove, ref.namespace, ref.name, uid)
+                await trio.to_thread.run_sync(self._metadata.remove, ref.namespace, ref.name, ref.uid)
             except MetadataStays as error:
-                log.error("%s (UID %s): %s", ref.label, uid, error, extra={"EVENT": "prepare"})
-        await self._release(uid, [(item.pool, item.device) for item in chosen])
-
-    async def _release(self, uid: str, devices: Sequence[tuple[ResourcePool, PreparedDevice]]) -> None:
-        """Release the side files of ``devices`` that no other prepared claim shares; a handler
-        that fails is logged (a stale side file is rewritten by the next allocation)."""
-        await trio.to_thread.run_sync(releaser(self._hooks, self._claims.claims, uid, devices))
+                log.error("%s (UID %s): %s", ref.label, ref.uid, error, extra={"EVENT": "prepare"})
+        devices = [(item.pool, item.device) for item in chosen]
+        await trio.to_thread.run_sync(releaser(self._hooks, self._claims.claims, ref.uid, devices))
 
     # -- unprepare -------------------------------------------------------------------------------
     async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
@@ -387,10 +304,9 @@ class ClaimPreparer:
                         continue  # the kubelet unprepared it meanwhile
                     try:
                         error = await self._unprepare(ref, orphaned=why)
-                    except Exception:
-                        log.exception("unpreparing %s (UID %s), which %s, failed", ref.label, uid, why,
-                                      extra={"EVENT": "orphans"})
-                        continue
+                    except Exception as failure:
+                        error = f"internal error: {type(failure).__name__}: {failure}"
+                        log.exception("unpreparing %s (UID %s) failed", ref.label, uid, extra={"EVENT": "orphans"})
                     if error is not None:
                         log.error("%s (UID %s) stays prepared although %s: %s", ref.label, uid, why, error,
                                   extra={"EVENT": "orphans"})
@@ -423,14 +339,14 @@ class ClaimPreparer:
                 try:
                     self._specs.remove(ref.uid)
                 except OSError as error:
-                    raise _SpecStays(error) from error
+                    raise _SpecStays(str(error)) from error
                 release()
                 self._loans.give_back(claim.label, claim.loans)  # AllocationError: it stays prepared
 
             try:
                 await self._claims.remove(ref.uid, before=before)
             except _SpecStays as stays:
-                return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {stays.error}"
+                return f"{ref.label}: cannot remove its CDI spec {self.spec_path(ref.uid)}: {stays}"
             except AllocationError as stays:
                 return (f"{ref.label}: not every function it had on vfio-pci could go back to its driver: {stays}; "
                         "it stays prepared (ask again)")
@@ -450,46 +366,18 @@ class ClaimPreparer:
             self._on_change(f"{claim.label} unprepared")
             if claim.loans:
                 self._loans.announce(f"{claim.label} unprepared")
-        if self._unaccounted and ref.uid in self._unaccounted:
-            self._unaccounted.discard(ref.uid)
-            log.info("%s (UID %s), prepared before the checkpoint was lost, is unprepared; %d such claims left",
-                     ref.label, ref.uid, len(self._unaccounted), extra={"EVENT": "unprepare"})
-            self._found_again_if_accounted()
+        self._unaccounted.unprepared(ref)
         return None
 
     # -- start -----------------------------------------------------------------------------------
-    async def _restore_loans(self) -> None:
-        """At start, before anything else: the handlers told what the checkpoint has lent; a
-        pending claim (a Prepare a crash cut short, perhaps between two functions' binds) given
-        back and dropped (the kubelet, never answered, asks again); a prepared claim's devices
-        whole on vfio-pci again (a reboot gave them back to their drivers)."""
-        lent = lent_claims(self._claims.claims)
-        if not lent:
-            return
-        self._loans.announce("the checkpoint at start")
-        for claim in lent:
-            try:
-                if claim.pending:
-                    await trio.to_thread.run_sync(self._loans.give_back, claim.label, claim.loans)
-                    await self._claims.remove(claim.uid)
-                    log.warning("%s (UID %s): its Prepare was cut short (the daemon stopped while its devices went "
-                                "to vfio-pci); every function is back on its driver", claim.label, claim.uid,
-                                extra={"EVENT": "restore"})
-                else:
-                    await trio.to_thread.run_sync(self._loans.keep_lent, claim)
-            except (AllocationError, OSError) as error:
-                log.error("%s (UID %s): %s", claim.label, claim.uid, error, extra={"EVENT": "restore"})
-        self._loans.announce("the checkpoint at start, restored")
-
     async def restore(self) -> None:
-        """At start: write again the specs of prepared claims that are missing (a reboot empties
-        /var/run while the kubelet still counts the claims prepared) and remove claim specs of
-        ours the checkpoint does not have (a prepare that crashed before its checkpoint; the
-        kubelet, never answered, asks again). With a lost checkpoint nothing is removed: those
-        specs are all that tells which claims were prepared. Every prepared claim's status is
-        made to list its devices (in the background)."""
+        """At start: what went to vfio-pci made right (``ClaimLoans.restore``); the specs of
+        prepared claims written again where missing (a reboot empties /var/run) and claim specs
+        the checkpoint does not have removed (a prepare that crashed before its checkpoint: the
+        kubelet asks again), but not with a lost checkpoint (they are all that tells which claims
+        were prepared); each prepared claim's status written (in the background)."""
         async with self._lock:
-            await self._restore_loans()
+            await self._loans.restore()
             for claim in list(self._claims.claims.values()):
                 if claim.pending:
                     continue  # its loans could not be given back: not prepared
@@ -500,15 +388,13 @@ class ClaimPreparer:
                 except ClaimRefused as error:
                     log.error("%s", error, extra={"EVENT": "restore"})
             if self._claims.lost is not None:
-                self._unaccounted = await trio.to_thread.run_sync(self._specs.uids) - set(self._claims.claims)
-                self._found_again_if_accounted()
+                await self._unaccounted.read()
                 return
             if self._metadata is not None:
                 for path in await trio.to_thread.run_sync(self._metadata.remove_stale, set(self._claims.claims)):
                     log.warning("removed the device metadata CDI spec %s and its file: its claim is not in the "
                                 "checkpoint", path, extra={"EVENT": "restore"})
-            stale = await trio.to_thread.run_sync(self._specs.stale, set(self._claims.claims))
-            for uid in stale:
+            for uid in await trio.to_thread.run_sync(self._specs.stale, set(self._claims.claims)):
                 log.warning("removing the CDI spec of claim UID %s: not in the checkpoint", uid,
                             extra={"EVENT": "restore"})
                 await trio.to_thread.run_sync(self._specs.remove, uid)

@@ -40,8 +40,8 @@ from daemon.core._tree import DeviceTree
 from daemon.metrics import Metrics
 from daemon.supervise import Backoff
 
-from ._claims import PreparedClaim, PreparedDevice
 from ._kube import Conflict, Kube, KubeError, NotFound
+from ._prepared import PreparedClaim, PreparedDevice
 
 log = logging.getLogger("devplugd.dra")
 

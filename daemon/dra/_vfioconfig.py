@@ -4,7 +4,7 @@ asks for a device of a ``vfioOnDemand`` pool on vfio-pci for this claim (as NVID
 
     {"apiVersion": "devplugd.io/v1alpha1", "kind": "VfioConfig", "backend": "legacy"}
 
-``backend`` (``daemon.core.VFIO_BACKENDS``): ``legacy`` (the default: ``/dev/vfio/vfio`` and
+``backend`` (``daemon.core._handler.VFIO_BACKENDS``): ``legacy`` (the default: ``/dev/vfio/vfio`` and
 ``/dev/vfio/<group>``, what KubeVirt and DPDK open), ``iommufd`` (the device's own
 ``/dev/vfio/devices/vfioN`` and ``/dev/iommu``; refused where the kernel has none) or
 ``preferIommufd`` (IOMMUFD where the kernel has it, the group otherwise).
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.core import VFIO_BACKENDS, VFIO_LEGACY
+from daemon.core._handler import VFIO_BACKENDS, VFIO_LEGACY
 
 CONFIG_API_VERSION = "devplugd.io/v1alpha1"
 VFIO_CONFIG_KIND = "VfioConfig"
