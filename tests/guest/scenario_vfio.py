@@ -71,6 +71,7 @@ from tests.guest.nvme_virt import (
 )
 from tests.guest.scenario_health import VFIO_GROUP_FLAGS_VIABLE, VFIO_GROUP_GET_STATUS
 from tests.kubelet import FakeKubelet
+from tests.notify import NotifySocket
 from tests.waiting import wait_until
 
 PREFIX = "devplugd.test"
@@ -192,7 +193,7 @@ class VfioScenario:
         self.starts = 0
         self.ready_s: list[float] = []
         self.pools: dict[str, str] = {}  # device name -> pool name, as published
-        self._notify: socket.socket | None = None
+        self._notify: NotifySocket | None = None
 
     # -- the daemon ----------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -223,8 +224,7 @@ class VfioScenario:
         """Start ``devplugd run``; seconds until its READY=1."""
         self.starts += 1
         notify_path = WORK / f"notify-{self.starts}.sock"
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(str(notify_path))
+        notify = NotifySocket(notify_path)  # read in a thread, as systemd does: the daemon never blocks
         self._notify = notify
         log = open(self.share / f"daemon-{self.starts}.log", "wb")
         spawned = time.monotonic()
@@ -240,29 +240,16 @@ class VfioScenario:
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "NOTIFY_SOCKET": str(notify_path)})
         log.close()
-        notify.settimeout(1.0)
-        while time.monotonic() - spawned < READY_TIMEOUT:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.process.returncode} before READY=1")
-            try:
-                message = notify.recv(4096)
-            except TimeoutError:
-                continue
-            if b"READY=1" in message.split(b"\n"):
-                ready = round(time.monotonic() - spawned, 2)
-                threading.Thread(target=self._drain, args=(notify,), daemon=True).start()
-                self.ready_s.append(ready)
-                return ready
-        raise RuntimeError(f"no READY=1 from the daemon within {READY_TIMEOUT} s")
 
-    @staticmethod
-    def _drain(notify: socket.socket) -> None:
-        notify.settimeout(None)
-        try:
-            while notify.recv(4096):
-                pass
-        except OSError:
-            return
+        def ready(messages: list[str]) -> bool:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(f"the daemon exited with {self.process.returncode} before READY=1")
+            return any("READY=1" in message.split("\n") for message in messages)
+        notify.wait_for(ready, READY_TIMEOUT, "READY=1 from the daemon")
+        ready_s = round(time.monotonic() - spawned, 2)
+        self.ready_s.append(ready_s)
+        return ready_s
 
     def stop_daemon(self, signum: int) -> int | None:
         process = self.process
