@@ -111,6 +111,7 @@ def test_a_group_is_one_device_of_the_pool_only_when_all_of_it_is_in_the_pool(pc
 def test_a_function_with_the_default_route_or_a_mounted_namespace_is_refused_before_anything_moves(
         pci: Pci, host: FakeHost) -> None:
     vfs = add_nvme_pf(host, PF, ["nvme", "nvme", "nvme"])
+    (host.sys / "bus" / "pci" / "drivers" / "vfio-pci").mkdir()  # loaded, with nothing bound
     pool = pci.pool(ON_DEMAND)
     assert pci.handler.plan_loan(pool, vfs[0]).parts == ((vfs[0], "nvme"),)
 
@@ -150,3 +151,17 @@ def add_namespace(host: FakeHost, address: str, controller: str, numbers: str) -
     (host.sys / "class" / "block").mkdir(parents=True, exist_ok=True)
     relative_link(block / "subsystem", host.sys / "class" / "block")
     return block
+
+
+def test_a_loan_is_refused_while_vfio_pci_is_not_loaded_and_a_device_on_vfio_pci_already_needs_none(
+        pci: Pci, host: FakeHost) -> None:
+    vfs = add_nvme_pf(host, PF, ["nvme", "vfio-pci"])
+    pool = pci.pool({**ON_DEMAND, "selectors": {"drivers": ["nvme", "vfio-pci"]}})
+    loan = pci.handler.plan_loan(pool, vfs[0])
+    (host.sys / "bus" / "pci" / "drivers" / "vfio-pci").rename(host.root / "unloaded")
+    with pytest.raises(AllocationError, match=r"vfio-pci is not loaded on this host .* load it \(modprobe vfio-pci\)"):
+        pci.handler.check_loan(loan)
+    (host.root / "unloaded").rename(host.sys / "bus" / "pci" / "drivers" / "vfio-pci")
+    already = pci.handler.plan_loan(pool, vfs[1])
+    assert already.parts == ()  # nothing to move, nothing to give back: an operator's binding stays as it is
+    pci.handler.check_loan(already)

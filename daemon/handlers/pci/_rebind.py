@@ -83,6 +83,7 @@ def check(sysfs_root: str, proc_root: str, loan: Loan) -> None:
     """AllocationError naming the function of ``loan`` that must not leave its driver, and why."""
     if not loan.parts:
         return
+    _check_vfio_loaded(sysfs_root)
     routes = read_default_route_interfaces(proc_root)
     mounted = _mounted_devices(proc_root)
     for address, _ in loan.parts:
@@ -100,9 +101,8 @@ def lend(sysfs_root: str, dev_root: str, loan: Loan, info: DeviceInfo, backend: 
 def bind_to_vfio(sysfs_root: str, loan: Loan) -> None:
     """Every function of ``loan`` that is not on vfio-pci goes to it, lowest first."""
     drivers_dir = f"{sysfs_root}/bus/pci/drivers"
-    if loan.parts and not os.path.isdir(f"{drivers_dir}/{VFIO_DRIVER}"):
-        raise AllocationError(f"{VFIO_DRIVER} is not loaded on this host ({drivers_dir}/{VFIO_DRIVER} is missing): "
-                              f"load it (modprobe {VFIO_DRIVER}) before claims ask for it")
+    if loan.parts:
+        _check_vfio_loaded(sysfs_root)
     for address, _ in loan.parts:
         device_dir = _device_dir(sysfs_root, address)
         current = link_name(device_dir + "/driver")
@@ -155,6 +155,13 @@ def give_back(sysfs_root: str, loan: Loan) -> None:
 
 
 # -- the checks ---------------------------------------------------------------------------------
+
+
+def _check_vfio_loaded(sysfs_root: str) -> None:
+    drivers_dir = f"{sysfs_root}/bus/pci/drivers"
+    if not os.path.isdir(f"{drivers_dir}/{VFIO_DRIVER}"):
+        raise AllocationError(f"{VFIO_DRIVER} is not loaded on this host ({drivers_dir}/{VFIO_DRIVER} is missing): "
+                              f"load it (modprobe {VFIO_DRIVER}) before claims ask for it")
 
 
 def _check_unused(device_dir: str, address: str, routes: frozenset[str], mounted: frozenset[str]) -> None:
