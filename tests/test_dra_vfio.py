@@ -27,6 +27,7 @@ from daemon.dra._names import device_name
 from daemon.dra._prepare import ClaimPreparer, PrepareResult
 from daemon.dra._prepared import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
 from daemon.handlers.pci._facts import PciFacts
+from daemon.metrics import Metrics
 from tests import trees
 from tests.fakedriver import FakeDriverCore, Uevent
 from tests.fakesysfs import FakeHost
@@ -66,9 +67,10 @@ class Rig:
         """A new book and preparer on the same files, as after a daemon restart."""
         self.book = ClaimBook(self.root / "state")
         self.book.load()
+        self.metrics = Metrics()
         self.preparer = ClaimPreparer(DRIVER, NODE, self.root / "cdi", self.book, self.tree,
                                       {"pci": Hooks.of(self.pci.handler)}, self.api.get_claim, lambda reason: None,
-                                      post=self._post)
+                                      post=self._post, metrics=self.metrics)
 
     def _uevent(self, event: Uevent) -> None:
         with self._lock:
@@ -112,6 +114,9 @@ class Rig:
         document: dict[str, Any] = json.loads((self.root / "cdi" / f"devplugd-claim-{claim_uid}.json").read_text())
         return document
 
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
     def namespaces(self) -> list[str]:
         return sorted(path.name for path in self.host.dev.glob("nvme*n1"))
 
@@ -151,6 +156,8 @@ async def test_a_vf_goes_to_vfio_pci_for_the_claim_and_back_to_nvme_after(rig: R
     assert sorted(pools[NVME].devices) == sorted([*rig.vfs, MULTI[0]]) and pools[VFIO].devices == {}
     assert pools[NVME].devices[vf].details.device.driver == "vfio-pci"
     assert len(rig.namespaces()) == len(namespaces) - 1  # its namespace went with nvme
+    assert rig.metric("devplugd_dra_vfio_lent_functions") == 1
+    assert rig.metric("devplugd_dra_vfio_rebinds_total", direction="to_vfio", outcome="done") == 1
 
     assert await rig.preparer.unprepare([ref]) == {uid(1): None}
     assert rig.drivers(vf) == ["nvme"] and rig.overrides(vf) == ["(null)"]
@@ -158,6 +165,8 @@ async def test_a_vf_goes_to_vfio_pci_for_the_claim_and_back_to_nvme_after(rig: R
     assert rig.checkpoint() == [] and rig.lent[-1] == Lent("pci", (), rig.lent[-1].reason)
     assert rig.pools()[NVME].devices[vf].details.device.driver == "nvme"
     assert rig.core.refused() == []  # every write one a real kernel takes
+    assert rig.metric("devplugd_dra_vfio_lent_functions") == 0
+    assert rig.metric("devplugd_dra_vfio_rebinds_total", direction="back", outcome="done") == 1
 
 
 async def test_a_claim_from_the_vfio_class_gets_the_whole_group_and_gives_it_back(rig: Rig) -> None:
@@ -207,6 +216,7 @@ async def test_a_failed_bind_gives_back_what_moved_and_names_the_function(rig: R
                                    f"could not go to vfio-pci: {MULTI[1]}: still bound to no driver after")
     assert rig.drivers(*MULTI) == ["nvme"] * 3 and rig.overrides(*MULTI) == ["(null)"] * 3
     assert rig.checkpoint() == [] and rig.book.holders() == {}
+    assert rig.metric("devplugd_dra_vfio_rebinds_total", direction="to_vfio", outcome="failed") == 1
     assert (await rig.prepare(ref)).error is None  # the kubelet asks again
     assert rig.drivers(*MULTI) == ["vfio-pci"] * 3
 

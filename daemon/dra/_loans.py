@@ -27,6 +27,7 @@ import trio
 
 from daemon.core import AllocationError, Lender, Lent, Loan
 from daemon.core._handler import Hooks
+from daemon.metrics import Metrics
 
 from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
@@ -68,10 +69,12 @@ class ClaimLoans:
     Lender hooks (their calls block: run them in a worker thread), and announced to the
     handlers (``post``, the event bus)."""
 
-    def __init__(self, hooks: Mapping[str, Hooks], book: ClaimBook, post: Callable[[Lent], None]) -> None:
+    def __init__(self, hooks: Mapping[str, Hooks], book: ClaimBook, post: Callable[[Lent], None],
+                 metrics: Metrics | None = None) -> None:
         self._hooks = hooks
         self._book = book
         self._post = post
+        self._metrics = metrics or Metrics()
         self._announced: set[str] = set()  # the handlers told of some lent part last time
 
     async def take(self, ref: ClaimRef, reserved: PreparedClaim, chosen: Sequence[Chosen], wanted: Wanted,
@@ -83,7 +86,13 @@ class ClaimLoans:
         await self._book.add(replace(reserved, loans=loans, pending=True))
         self.announce(f"{ref.label} is being prepared")
         started = time.perf_counter()
-        lent = await trio.to_thread.run_sync(self.lend, ref, wanted, loans)
+        try:
+            lent = await trio.to_thread.run_sync(self.lend, ref, wanted, loans)
+        except ClaimRefused:
+            self._metrics.dra_vfio_rebinds.labels("to_vfio", "failed").inc()
+            raise
+        self._metrics.dra_vfio_rebinds.labels("to_vfio", "done").inc(len(loans))
+        self._metrics.dra_vfio_rebind_duration.observe(time.perf_counter() - started)
         log.info("%s (UID %s): %s on vfio-pci in %.0f ms", ref.label, ref.uid,
                  ", ".join(f"{part} (from {driver or 'no driver'})" for loan in loans for part, driver in loan.parts),
                  (time.perf_counter() - started) * 1000, extra={"EVENT": "vfio"})
@@ -186,7 +195,9 @@ class ClaimLoans:
                 self._lender(loan).give_back(loan)
             except (AllocationError, OSError) as error:
                 failures.append(f"{loan.device_id} of {loan.resource}: {error}")
+                self._metrics.dra_vfio_rebinds.labels("back", "failed").inc()
                 continue
+            self._metrics.dra_vfio_rebinds.labels("back", "done").inc()
             log.info("%s: %s of %s is back on %s", label, loan.device_id, loan.resource,
                      ", ".join(sorted({driver or "no driver" for _, driver in loan.parts})),
                      extra={"EVENT": "vfio", "RESOURCE": loan.resource})
@@ -220,6 +231,7 @@ class ClaimLoans:
         for handler in sorted(parts.keys() | self._announced):
             self._post(Lent(handler, tuple(sorted(parts.get(handler, {}).items())), reason))
         self._announced = set(parts)
+        self._metrics.dra_vfio_lent_functions.set(sum(len(lent) for lent in parts.values()))
 
     def _lender(self, loan: Loan) -> Lender:
         hooks = self._hooks.get(loan.handler)

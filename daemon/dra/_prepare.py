@@ -119,7 +119,7 @@ class ClaimPreparer:
         self._metadata = metadata
         # devices a claim asks for on vfio-pci: taken from their drivers and given back; the
         # handlers are told what is lent through ``post`` (the event bus)
-        self._loans = ClaimLoans(hooks, claims, post)
+        self._loans = ClaimLoans(hooks, claims, post, self._metrics)
         self._lock = trio.Lock()
         # with a lost checkpoint: the claims whose specs say they were prepared before
         self._unaccounted = UnaccountedClaims(claims, self._specs)

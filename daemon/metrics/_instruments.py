@@ -140,6 +140,16 @@ class Metrics:
         self.dra_orphaned_claims = counter(
             "devplugd_dra_orphaned_claims", "Prepared claims devplugd unprepared itself because their "
             "ResourceClaim is gone from the API server or has another UID.")
+        self.dra_vfio_rebinds = counter(
+            "devplugd_dra_vfio_rebinds", "Devices of vfioOnDemand pools moved for DRA claims, by direction "
+            "(to_vfio at Prepare, back at Unprepare or after a failed Prepare) and outcome (done, failed).",
+            ("direction", "outcome"))
+        self.dra_vfio_rebind_duration = histogram(
+            "devplugd_dra_vfio_rebind_duration_seconds", "Time to take one claim's devices to vfio-pci (every "
+            "function of their IOMMU groups).", DRA_CALL_BUCKETS)
+        self.dra_vfio_lent_functions = gauge(
+            "devplugd_dra_vfio_lent_functions", "PCI functions on vfio-pci for DRA claims now, away from their "
+            "own drivers.")
         self.dra_reaction = histogram(
             "devplugd_event_to_resourceslice_seconds", "From an event reaching the event loop to the "
             "ResourceSlices of the pool it changed written on the API server.", REACTION_BUCKETS, ("resource",))
