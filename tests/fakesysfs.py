@@ -194,7 +194,11 @@ class FakeHost:
             cdev_dir.mkdir(parents=True, exist_ok=True)
             relative_link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
             return
-        write_file(cdev_dir / "dev", f"511:{index}\n")
+        # made aside and renamed into place: the kernel's sysfs shows the entry with its ``dev`` at once
+        building = self.root / ".building" / f"{address}-vfio{index}"
+        write_file(building / "dev", f"511:{index}\n")
+        cdev_dir.parent.mkdir(parents=True, exist_ok=True)
+        building.rename(cdev_dir)
         relative_link(self.sys / "class" / "vfio-dev" / f"vfio{index}", cdev_dir)
         if node:
             self.add_dev_node(f"vfio/devices/vfio{index}")

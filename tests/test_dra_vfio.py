@@ -50,9 +50,12 @@ class Rig:
     """The pci handler's facts, folded from the fake kernel's uevents and the preparer's Lent
     events; the tree of the pools built from them; the preparer and its book on real files."""
 
-    def __init__(self, root: Path, host: FakeHost, pci: Pci) -> None:
+    def __init__(self, root: Path, host: FakeHost, pci: Pci, *, vfio_cdev: bool = False) -> None:
         self.root, self.host, self.pci = root, host, pci
         self.vfs = add_nvme_pf(host, PF, ["nvme", "nvme", "nvme"])
+        if vfio_cdev:  # a kernel with IOMMUFD: the vfio-dev class and /dev/iommu are there once loaded
+            (host.sys / "class" / "vfio-dev").mkdir(parents=True, exist_ok=True)
+            host.add_dev_node("iommu")
         add_multifunction_nvme(host, ["nvme", "nvme", "nvme"])
         self.configured = pci.configure(ON_DEMAND, VFIO_POOL)
         self._lock = threading.Lock()
@@ -60,7 +63,7 @@ class Rig:
         self.lent: list[Lent] = []
         self.api = FakeApi()
         self.core = FakeDriverCore(host, on_uevent=self._uevent, drivers=("vfio-pci", "nvme"),
-                                   id_table={"1b36:0010": "nvme"}, nvme_namespaces=True)
+                                   id_table={"1b36:0010": "nvme"}, nvme_namespaces=True, vfio_cdev=vfio_cdev)
         self.restart()
 
     def restart(self) -> None:
@@ -128,8 +131,9 @@ def rig(short_tmp: Path, host: FakeHost, pci: Pci) -> Iterator[Rig]:
         yield built
 
 
-def vfio_config(source: str = "FromClaim") -> list[dict[str, Any]]:
-    return [{"source": source, "requests": ["vm"], "opaque": {"driver": DRIVER, "parameters": VFIO_CONFIG}}]
+def vfio_config(source: str = "FromClaim", **fields: str) -> list[dict[str, Any]]:
+    return [{"source": source, "requests": ["vm"], "opaque": {"driver": DRIVER,
+                                                              "parameters": {**VFIO_CONFIG, **fields}}}]
 
 
 def container_edits(spec: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -280,3 +284,29 @@ async def test_a_vf_goes_back_to_nvme_under_a_pf_that_does_not_autoprobe(rig: Ri
     assert await rig.preparer.unprepare([ref]) == {uid(1): None}
     assert rig.drivers(rig.vfs[1]) == ["nvme"] and rig.overrides(rig.vfs[1]) == ["(null)"]
     assert rig.core.refused() == []
+
+
+@pytest.mark.parametrize(("backend", "cdev", "nodes"), [
+    ("iommufd", True, ["/dev/vfio/devices/vfio0", "/dev/iommu"]),
+    ("preferIommufd", True, ["/dev/vfio/devices/vfio0", "/dev/iommu"]),
+    ("preferIommufd", False, ["/dev/vfio/vfio", "/dev/vfio/10"]),
+    ("legacy", True, ["/dev/vfio/vfio", "/dev/vfio/10"]),
+])
+async def test_the_backend_a_claim_asks_for_decides_the_device_nodes(
+        short_tmp: Path, host: FakeHost, pci: Pci, backend: str, cdev: bool, nodes: list[str]) -> None:
+    rig = Rig(short_tmp, host, pci, vfio_cdev=cdev)
+    with rig.core:
+        ref = rig.claim(1, (NVME, rig.vfs[0]), config=vfio_config(backend=backend))
+        assert (await rig.prepare(ref)).error is None
+        paths, _ = container_edits(rig.spec(uid(1)))
+        assert paths == nodes
+        assert await rig.preparer.unprepare([ref]) == {uid(1): None}
+        assert rig.drivers(rig.vfs[0]) == ["nvme"]
+
+
+async def test_iommufd_on_a_kernel_without_vfio_device_nodes_is_refused_and_the_vf_given_back(rig: Rig) -> None:
+    ref = rig.claim(1, (NVME, rig.vfs[0]), config=vfio_config(backend="iommufd"))
+    answer = await rig.prepare(ref)
+    assert answer.error is not None and (f"{rig.vfs[0]}: the claim asks for iommufd, but the kernel gives "
+                                         f"{rig.vfs[0]} no VFIO device node (vfio-dev/vfioN)") in answer.error
+    assert rig.drivers(rig.vfs[0]) == ["nvme"] and rig.checkpoint() == []

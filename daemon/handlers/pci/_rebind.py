@@ -295,6 +295,7 @@ def _iommufd_specs(sysfs_root: str, dev_root: str, records: Sequence[PciDetails]
     ``preferIommufd`` where the kernel made them); ``None``: the group's nodes."""
     if backend == VFIO_LEGACY:
         return None
+    records = [_with_vfio_device(sysfs_root, record) for record in records]
     cdevs = [record.device.vfio_cdev for record in records]
     nodes = [f"/dev/vfio/devices/{cdev}" for cdev in cdevs if cdev is not None]
     available = len(nodes) == len(records) and os.path.exists(dev_root + IOMMU_NODE[len("/dev"):])
@@ -308,6 +309,18 @@ def _iommufd_specs(sysfs_root: str, dev_root: str, records: Sequence[PciDetails]
     for node in nodes:
         _wait_for_node(dev_root, node, records[0].device.address)
     return [DeviceSpec(node, node) for node in (*nodes, IOMMU_NODE)]
+
+
+def _with_vfio_device(sysfs_root: str, record: PciDetails) -> PciDetails:
+    """``record`` with its VFIO device as the probe left it: where the kernel has the class
+    (``/sys/class/vfio-dev``, 6.1 on), its ``vfio-dev/vfioN`` follows the driver link, so wait for
+    it; ``vfio_cdev`` then says whether it is a character device (6.6 on)."""
+    device_dir = _device_dir(sysfs_root, record.device.address)
+    if os.path.isdir(f"{sysfs_root}/class/vfio-dev"):
+        _wait(lambda: bool(list_dir(device_dir + "/vfio-dev")), NODE_TIMEOUT,
+              lambda: f"{record.device.address}: no vfio-dev entry within {NODE_TIMEOUT:g} s of its bind to "
+                      f"{VFIO_DRIVER}")
+    return replace(record, device=replace(record.device, vfio_cdev=vfio_cdev_of(device_dir)))
 
 
 def _wait_for_node(dev_root: str, node: str, address: str) -> None:
