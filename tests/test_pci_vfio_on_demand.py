@@ -165,3 +165,18 @@ def test_a_loan_is_refused_while_vfio_pci_is_not_loaded_and_a_device_on_vfio_pci
     already = pci.handler.plan_loan(pool, vfs[1])
     assert already.parts == ()  # nothing to move, nothing to give back: an operator's binding stays as it is
     pci.handler.check_loan(already)
+
+
+def test_explain_says_what_the_build_does_with_a_function_a_claim_has_on_vfio_pci(pci: Pci, host: FakeHost) -> None:
+    vfs = add_nvme_pf(host, PF, ["nvme", "nvme"])
+    configured = pci.configure(VFIO_POOL, ON_DEMAND)  # the vfio pool first: it would win a vfio-pci function
+    facts = pci.handler.fold(pci.handler.scan(), lent((vfs[0], "nvme")))
+    host.bind(vfs[0], "vfio-pci")
+    facts = pci.handler.fold(facts, UEvent("bind", host.devpath(vfs[0]), "pci"))
+    built = pci.handler.build(facts, configured)
+    explanation = pci.handler.explain(facts, configured, vfs[0], built)
+    assert explanation is not None
+    verdicts = {verdict.resource: verdict for verdict in explanation.verdicts}
+    assert verdicts["intel.com/vfio"].reason == ("a DRA claim has it on vfio-pci (its own driver: nvme): it stays in "
+                                                 "its vfioOnDemand pool")
+    assert verdicts["intel.com/nvme"].outcome == "took" and verdicts["intel.com/nvme"].device_id == vfs[0]

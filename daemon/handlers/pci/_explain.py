@@ -28,7 +28,7 @@ from daemon.core import (
 from ._ddp import read_ddp_profile
 from ._facts import PciDevice, PciFacts
 from ._groups import blocking_functions, passthrough_group
-from ._pools import PciPoolSpec, ineligibility, unhealthy_reason, unusable_reason
+from ._pools import PciPoolSpec, ineligibility, lent_as_at_home, unhealthy_reason, unusable_reason
 
 DEFAULT_DOMAIN = "0000:"
 
@@ -100,7 +100,8 @@ def _placed_verdict(facts: PciFacts, device: PciDevice, pool: ConfiguredPool[Pci
     admits = f"selectors[{selector}] admit it" if len(pool.spec.selectors) > 1 else "its selectors admit it"
     if (unusable := unusable_reason(device)) is not None:
         return PoolVerdict(pool.resource, LEFT_OUT, f"{admits}, but {unusable}")
-    if (group := _group_problem(facts, device)) is not None:
+    # a vfioOnDemand pool takes a group whole or not at all: the pool lists it, or says why not
+    if not pool.spec.vfio_on_demand and (group := _group_problem(facts, device)) is not None:
         return PoolVerdict(pool.resource, LEFT_OUT, f"{admits}, but {group}")
     devices = offered.get(pool.resource, {})
     device_id = _offered_under(devices, device.address)
@@ -121,20 +122,28 @@ def explain(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], name:
     if device is None:
         return None
     ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
+    judged = lent_as_at_home(device, facts.lent)  # as the build judges it: a lent function by its own driver
 
     def refusal(pool: ConfiguredPool[PciPoolSpec]) -> PoolVerdict | None:
-        if (why := ineligibility(device, pool.spec.device_type)) is not None:
+        if judged is not device and not pool.spec.vfio_on_demand:
+            return PoolVerdict(pool.resource, REFUSED, f"a DRA claim has it on vfio-pci (its own driver: "
+                               f"{judged.driver or 'none'}): it stays in its vfioOnDemand pool")
+        if (why := ineligibility(judged, pool.spec.device_type)) is not None:
             return PoolVerdict(pool.resource, REFUSED, why)
-        return refused_by_selectors(pool.resource, _mismatches(device, pool.spec, ddp_profile))
+        return refused_by_selectors(pool.resource, _mismatches(judged, pool.spec, ddp_profile))
 
     def placed(pool: ConfiguredPool[PciPoolSpec]) -> PoolVerdict:
-        return _placed_verdict(facts, device, pool, _mismatches(device, pool.spec, ddp_profile).index(None), offered)
+        return _placed_verdict(facts, device, pool, _mismatches(judged, pool.spec, ddp_profile).index(None), offered)
 
     return Explanation("pci", device.address, describe(device), first_pool_wins(pools, refusal, placed))
 
 
-def _admits(device: PciDevice, pool: ConfiguredPool[PciPoolSpec], ddp_profile: Callable[[str], str | None]) -> bool:
-    """The build's own test (``_pools``' placer): no reasons made, it runs for every function."""
+def _admits(device: PciDevice, pool: ConfiguredPool[PciPoolSpec], ddp_profile: Callable[[str], str | None],
+            lent: bool = False) -> bool:
+    """The build's own test (``_pools``' placer; ``device`` as it judges it, ``lent``: a DRA claim
+    has it on vfio-pci): no reasons made, it runs for every function."""
+    if lent and not pool.spec.vfio_on_demand:
+        return False
     return ineligibility(device, pool.spec.device_type) is None and any(
         selector.refusing_key(device, ddp_profile) is None for selector in pool.spec.selectors)
 
@@ -143,9 +152,10 @@ def why_empty(facts: PciFacts, pools: Sequence[ConfiguredPool[PciPoolSpec]], res
     ddp_profile = lru_cache(maxsize=None)(read_ddp_profile)
     target = next(pool for pool in pools if pool.resource == resource)
     admitted = taken_earlier = 0
-    for device in facts.devices.values():
-        if _admits(device, target, ddp_profile):
-            first = next(pool for pool in pools if _admits(device, pool, ddp_profile))
+    for function in facts.devices.values():
+        device, lent = lent_as_at_home(function, facts.lent), function.address in facts.lent
+        if _admits(device, target, ddp_profile, lent):
+            first = next(pool for pool in pools if _admits(device, pool, ddp_profile, lent))
             admitted, taken_earlier = (admitted + 1, taken_earlier) if first is target else \
                 (admitted, taken_earlier + 1)
     seen = f"{len(facts.devices)} PCI functions on this host"
