@@ -31,13 +31,15 @@ from tests.uevents import ZramDevices
 
 # The fixtures that start what a marker names (pyproject.toml registers the markers): a test that
 # uses one, directly or through another fixture, gets the marker, and ./scripts/test --fast leaves
-# it out (pytest -m "not (qemu or nspawn or podman or prometheus)").
+# it out (pytest -m "not (qemu or nspawn or podman or prometheus or arm64)").
 NEEDS = {
     "qemu_guest": "qemu",  # below: a QEMU guest with emulated SR-IOV NVMe, USB, AER
     "deployment": "nspawn",  # test_e2e_systemd: the .deb in a bookworm container booted by systemd-nspawn
     "podman": "podman",  # test_podman_cdi: podman and runc, confined to the test
     "pod": "podman",  # test_image_daemonset: the image run by podman as the DaemonSet runs it
     "prometheus": "prometheus",  # test_metrics_daemon: a real Prometheus server scraping the daemon
+    # test_arm64: the arm64 .deb (built under qemu-user), an arm64 bookworm running it, the arm64 image
+    "arm64_debs": "arm64",
 }
 
 

@@ -62,12 +62,16 @@ def _digest(*parts: object) -> str:
 
 class BookwormImage:
     def __init__(self, cache_dir: Path = CACHE_DIR, suite: str = SUITE, include: Sequence[str] = BOOT_PACKAGES,
-                 mirror: str | None = None) -> None:
+                 mirror: str | None = None, arch: str | None = None) -> None:
         self.cache_dir = cache_dir
         self.suite = suite
         self.include = tuple(include)
         self.mirror = mirror or os.environ.get("DEVPLUGD_E2E_MIRROR") or None  # None: debootstrap's default
-        self.key = _digest(RECIPE, suite, self.include, self.mirror)
+        # Another Debian architecture (debootstrap --arch; its binaries run under qemu-user, which
+        # packaging/foreign.sh enables); None: this machine's.
+        self.arch = arch
+        self.key = _digest(RECIPE, suite, self.include, self.mirror) if arch is None else \
+            _digest(RECIPE, suite, self.include, self.mirror, arch)
         self.timings: dict[str, float] = {}  # what this process built, and how long it took
 
     def base(self) -> Path:
@@ -124,7 +128,8 @@ class BookwormImage:
         work = WorkDir("debootstrap")
         try:
             root = work.tree(tmpfs_wanted())
-            command = ["debootstrap", "--variant=minbase", f"--include={','.join(self.include)}", self.suite, str(root)]
+            command = ["debootstrap", "--variant=minbase", *(["--arch", self.arch] if self.arch else []),
+                       *([f"--include={','.join(self.include)}"] if self.include else []), self.suite, str(root)]
             if self.mirror:
                 command.append(self.mirror)
             completed = subprocess.run(command, capture_output=True, text=True, env=HOST_ENV, timeout=900)

@@ -1,8 +1,11 @@
 """The .deb under test: ``dist/devplugd_<version>_<arch>.deb``, built with ``make deb`` when missing
 or older than a file that goes into it (so a developer's edit is never tested against a stale one).
+``<arch>`` is this machine's Debian architecture unless asked for another (``DebBuild("arm64")``
+runs ``make deb ARCH=arm64``, built under qemu-user emulation).
 
-``DEVPLUGD_E2E_DEB=/path/x.deb`` tests another file instead (developing the harness against a
-stand-in package). The build can run in the background while the image is being made.
+``DEVPLUGD_E2E_DEB=/path/x.deb`` tests another file instead of this machine's architecture's
+(developing the harness against a stand-in package). The build can run in the background while
+the image is being made.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from .container import Container
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DIST = REPO_ROOT / "dist"
 DEB_GLOB = "devplugd_*_*.deb"
+HOST_ARCH = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
+                           check=True).stdout.strip()
 RELATION_FIELDS = ("Pre-Depends", "Depends", "Recommends")  # what `apt-get install ./x.deb` pulls in
 PACKAGED = ("daemon", "config", "systemd", "packaging", "proto", "pyproject.toml")  # what the .deb is built from
 
@@ -28,34 +33,39 @@ def newest_packaged_change() -> float:
     return max((REPO_ROOT / name).stat().st_mtime for name in listed if name and (REPO_ROOT / name).exists())
 
 
-def existing_deb() -> Path | None:
-    if override := os.environ.get("DEVPLUGD_E2E_DEB"):
+def existing_deb(arch: str = HOST_ARCH) -> Path | None:
+    if arch == HOST_ARCH and (override := os.environ.get("DEVPLUGD_E2E_DEB")):
         return Path(override)
-    found = sorted(DIST.glob(DEB_GLOB), key=lambda path: path.stat().st_mtime)
+    found = sorted(DIST.glob(f"devplugd_*_{arch}.deb"), key=lambda path: path.stat().st_mtime)
     if not found or found[-1].stat().st_mtime < newest_packaged_change():
         return None
     return found[-1]
 
 
 class DebBuild:
-    """``make deb`` started now, waited for with ``result()``; nothing to do if an up-to-date .deb exists."""
+    """``make deb`` started now, waited for with ``result()``; nothing to do if an up-to-date .deb exists.
+    ``arch``: another Debian architecture (``make deb ARCH=arm64``)."""
 
-    def __init__(self) -> None:
-        self.deb = existing_deb()
+    def __init__(self, arch: str = HOST_ARCH) -> None:
+        self.arch = arch
+        self.deb = existing_deb(arch)
         self.seconds = 0.0
+        self.output = ""
         self._started = time.monotonic()
         self._process: subprocess.Popen[str] | None = None
         if self.deb is None:
-            self._process = subprocess.Popen(["make", "deb"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+            command = ["make", "deb"] if arch == HOST_ARCH else ["make", "deb", f"ARCH={arch}"]
+            self._process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                              stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
 
     def result(self, timeout: float = 900) -> Path:
         if self._process is not None:
             output, _ = self._process.communicate(timeout=timeout)
+            self.output = output
             self.seconds = time.monotonic() - self._started
             if self._process.returncode != 0:
                 raise AssertionError(f"`make deb` exited {self._process.returncode}:\n{output[-6000:]}")
-            self.deb = existing_deb()
+            self.deb = existing_deb(self.arch)
             if self.deb is None:
                 raise AssertionError(f"`make deb` left no {DIST / DEB_GLOB}:\n{output[-3000:]}")
         assert self.deb is not None
