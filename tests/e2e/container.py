@@ -110,7 +110,8 @@ class BookwormImage:
                 raise
             seconds = time.monotonic() - started
             meta = {"built_seconds": round(seconds, 1), "tarball_bytes": partial.stat().st_size,
-                    "unpacked_bytes": unpacked, "suite": self.suite, "include": self.include, "built_at": time.time()}
+                    "unpacked_bytes": unpacked, "suite": self.suite, "include": self.include, "built_at": time.time(),
+                    **({"arch": self.arch} if self.arch else {})}
             path.with_name(name + ".json").write_text(json.dumps(meta, indent=1))
             os.replace(partial, path)
             self.timings[what] = seconds
