@@ -67,7 +67,7 @@ class DebBuild:
                 raise AssertionError(f"`make deb` exited {self._process.returncode}:\n{output[-6000:]}")
             self.deb = existing_deb(self.arch)
             if self.deb is None:
-                raise AssertionError(f"`make deb` left no {DIST / DEB_GLOB}:\n{output[-3000:]}")
+                raise AssertionError(f"`make deb` left no {DIST}/devplugd_*_{self.arch}.deb:\n{output[-3000:]}")
         assert self.deb is not None
         return self.deb
 
