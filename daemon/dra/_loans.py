@@ -65,9 +65,9 @@ def wanted_loans(ref: ClaimRef, chosen: Sequence[Chosen], results: Sequence[Allo
 
 
 class ClaimLoans:
-    """The loans of the claims in ``book``: planned, lent and given back through the handlers'
-    Lender hooks (their calls block: run them in a worker thread), and announced to the
-    handlers (``post``, the event bus)."""
+    """The loans of the claims in ``book``: planned (on the event loop: a few sysfs links),
+    checked, lent and given back (these block on the kernel: in worker threads) through the
+    handlers' Lender hooks, and announced to the handlers (``post``, the event bus)."""
 
     def __init__(self, hooks: Mapping[str, Hooks], book: ClaimBook, post: Callable[[Lent], None],
                  metrics: Metrics | None = None) -> None:
