@@ -31,16 +31,22 @@ from markdown.extensions.toc import slugify
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo, ResourcePool
+from daemon.core import HEALTHY, UNHEALTHY, AllocationError, DeviceInfo, HandlerContext, Loan, ResourcePool
 from daemon.core._config import parse_config
+from daemon.core._handler import Hooks
 from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.dra._kube import ApiLink
+from daemon.dra._loans import ClaimLoans
 from daemon.dra._pools import DraPools
+from daemon.dra._prepared import ClaimBook
 from daemon.dra._publisher import SlicePublisher
+from daemon.handlers.pci import PciHandler
 from daemon.metrics import Metrics
 from daemon.settings import Settings
 from tests.apiserver import SLICES_PATH, ApiServer
 from tests.daemonrun import REPO_ROOT
+from tests.fakesysfs import FakeHost
+from tests.pci import add_nvme_pf
 from tests.waiting import wait_until_async
 
 DEPLOY = REPO_ROOT / "deploy"
@@ -360,6 +366,7 @@ def _rule_selections() -> dict[tuple[str, str], set[str]]:
 
 DRA_NODE, DRA_DRIVER, DRA_TOKEN = "node1", "devplugd.io", "node1-token"
 WRITE_FAILURES = "devplugd_dra_slice_write_failures_total"
+VFIO_REBINDS = "devplugd_dra_vfio_rebinds_total"
 
 
 def _dra_tree(version: int, count: int) -> DeviceTree:
@@ -435,3 +442,22 @@ def test_the_latency_bound_is_a_bucket_bound_of_the_histogram() -> None:
 if __name__ == "__main__":
     PROMETHEUS_RULE.write_text(render_prometheus_rule(RULES.read_text(encoding="utf-8")), encoding="utf-8")
     print(f"wrote {PROMETHEUS_RULE.relative_to(REPO_ROOT)}", file=sys.stderr)
+
+
+def test_a_device_that_cannot_go_back_counts_under_the_labels_the_vfio_rule_selects(tmp_path: Path) -> None:
+    """DevplugdVfioDeviceNotGivenBack selects direction="back", outcome="failed": the real
+    ClaimLoans and pci handler count a failed give-back there (the function's own driver is not
+    loaded any more, on a fake sysfs), and nowhere else."""
+    host = FakeHost(tmp_path / "host")
+    (vf,) = add_nvme_pf(host, "0000:04:00.0", [None])
+    (host.device_dir(vf) / "driver_override").write_text("(null)\n")  # as the kernel shows every function
+    handler = PciHandler(HandlerContext(host.sys, host.dev, host.proc, tmp_path / "devinfo"))
+    metrics = Metrics()
+    loans = ClaimLoans({"pci": Hooks.of(handler)}, ClaimBook(tmp_path / "state"), lambda event: None, metrics)
+    with pytest.raises(AllocationError, match="its driver mlx5_core is not loaded any more"):
+        loans.give_back("claim default/vm", [Loan("pci", "example.com/nvme", vf, ((vf, "mlx5_core"),))])
+    sample = metrics.registry.get_sample_value
+    selected = {label: values for (name, label), values in _rule_selections().items() if name == VFIO_REBINDS}
+    assert selected == {"direction": {"back"}, "outcome": {"failed"}}
+    assert sample(VFIO_REBINDS, {"direction": "back", "outcome": "failed"}) == 1
+    assert sample(VFIO_REBINDS, {"direction": "back", "outcome": "done"}) == 0

@@ -144,6 +144,9 @@ class Metrics:
             "devplugd_dra_vfio_rebinds", "Devices of vfioOnDemand pools moved for DRA claims, by direction "
             "(to_vfio at Prepare, back at Unprepare or after a failed Prepare) and outcome (done, failed).",
             ("direction", "outcome"))
+        for direction in ("to_vfio", "back"):  # exported at 0: the first failure is an increase an alert sees
+            for outcome in ("done", "failed"):
+                self.dra_vfio_rebinds.labels(direction, outcome)
         self.dra_vfio_rebind_duration = histogram(
             "devplugd_dra_vfio_rebind_duration_seconds", "Time to take one claim's devices to vfio-pci (every "
             "function of their IOMMU groups).", DRA_CALL_BUCKETS)
