@@ -44,8 +44,16 @@ from daemon.core import (
     read_text,
 )
 
-from ._allocation import IOMMU_NODE, VFIO_DRIVER, PciDetails, first_per_host_path, vfio_specs
-from ._discovery import NOIOMMU_GROUP_NAME, read_default_route_interfaces, vfio_cdev_of
+from ._allocation import (
+    IOMMU_NODE,
+    VFIO_CONTAINER,
+    VFIO_DRIVER,
+    PciDetails,
+    first_per_host_path,
+    vfio_specs,
+    with_vfio_binding,
+)
+from ._discovery import read_default_route_interfaces, read_vfio_binding, vfio_cdev_of
 from ._groups import is_bridge_class
 
 log = logging.getLogger("devplugd.pci")
@@ -100,7 +108,6 @@ def lend(sysfs_root: str, dev_root: str, loan: Loan, info: DeviceInfo, backend: 
 
 def bind_to_vfio(sysfs_root: str, loan: Loan) -> None:
     """Every function of ``loan`` that is not on vfio-pci goes to it, lowest first."""
-    drivers_dir = f"{sysfs_root}/bus/pci/drivers"
     if loan.parts:
         _check_vfio_loaded(sysfs_root)
     for address, _ in loan.parts:
@@ -110,16 +117,13 @@ def bind_to_vfio(sysfs_root: str, loan: Loan) -> None:
             continue
         _write(f"{device_dir}/driver_override", VFIO_DRIVER, address)
         if current is not None:
-            _write(f"{device_dir}/driver/unbind", address, address)
-            _wait_for_driver(device_dir, address, None)
-        _write(f"{drivers_dir}/{VFIO_DRIVER}/bind", address, address)
-        _wait_for_driver(device_dir, address, VFIO_DRIVER)
+            _unbind(device_dir, address)
+        _bind(sysfs_root, VFIO_DRIVER, address)
 
 
 def give_back(sysfs_root: str, loan: Loan) -> None:
     """Every function of ``loan`` back on the driver it had: all off vfio-pci first, then each
     bound to its own. Tries every function; AllocationError naming those that failed."""
-    drivers_dir = f"{sysfs_root}/bus/pci/drivers"
     failures: list[str] = []
     leaving: list[tuple[str, str]] = []
     for address, home in loan.parts:
@@ -132,8 +136,7 @@ def give_back(sysfs_root: str, loan: Loan) -> None:
             _write(f"{device_dir}/driver_override", home or "\n", address)
             current = link_name(device_dir + "/driver")
             if current != home and current is not None:
-                _write(f"{device_dir}/driver/unbind", address, address)
-                _wait_for_driver(device_dir, address, None)
+                _unbind(device_dir, address)
             if home is not None:
                 leaving.append((address, home))
         except AllocationError as error:
@@ -142,11 +145,10 @@ def give_back(sysfs_root: str, loan: Loan) -> None:
         device_dir = _device_dir(sysfs_root, address)
         try:
             if link_name(device_dir + "/driver") != home:
-                if not os.path.isdir(f"{drivers_dir}/{home}"):
-                    raise AllocationError(f"{address}: its driver {home} is not loaded any more ({drivers_dir}/{home} "
-                                          "is missing); it stays with no driver")
-                _write(f"{drivers_dir}/{home}/bind", address, address)
-                _wait_for_driver(device_dir, address, home)
+                if not _loaded(sysfs_root, home):
+                    raise AllocationError(f"{address}: its driver {home} is not loaded any more "
+                                          f"({_driver_dir(sysfs_root, home)} is missing); it stays with no driver")
+                _bind(sysfs_root, home, address)
             _write(f"{device_dir}/driver_override", "\n", address)
         except AllocationError as error:
             failures.append(str(error))
@@ -158,10 +160,9 @@ def give_back(sysfs_root: str, loan: Loan) -> None:
 
 
 def _check_vfio_loaded(sysfs_root: str) -> None:
-    drivers_dir = f"{sysfs_root}/bus/pci/drivers"
-    if not os.path.isdir(f"{drivers_dir}/{VFIO_DRIVER}"):
-        raise AllocationError(f"{VFIO_DRIVER} is not loaded on this host ({drivers_dir}/{VFIO_DRIVER} is missing): "
-                              f"load it (modprobe {VFIO_DRIVER}) before claims ask for it")
+    if not _loaded(sysfs_root, VFIO_DRIVER):
+        raise AllocationError(f"{VFIO_DRIVER} is not loaded on this host ({_driver_dir(sysfs_root, VFIO_DRIVER)} is "
+                              f"missing): load it (modprobe {VFIO_DRIVER}) before claims ask for it")
 
 
 def _check_unused(device_dir: str, address: str, routes: frozenset[str], mounted: frozenset[str]) -> None:
@@ -235,6 +236,26 @@ def _write(path: str, text: str, address: str) -> None:
         os.close(descriptor)
 
 
+def _unbind(device_dir: str, address: str) -> None:
+    """The function off its driver, and its ``driver`` link gone."""
+    _write(f"{device_dir}/driver/unbind", address, address)
+    _wait_for_driver(device_dir, address, None)
+
+
+def _bind(sysfs_root: str, driver: str, address: str) -> None:
+    """The (driverless) function bound to ``driver``, and its ``driver`` link naming it."""
+    _write(f"{_driver_dir(sysfs_root, driver)}/bind", address, address)
+    _wait_for_driver(_device_dir(sysfs_root, address), address, driver)
+
+
+def _loaded(sysfs_root: str, driver: str) -> bool:
+    return os.path.isdir(_driver_dir(sysfs_root, driver))
+
+
+def _driver_dir(sysfs_root: str, driver: str) -> str:
+    return f"{sysfs_root}/bus/pci/drivers/{driver}"
+
+
 def _wait_for_driver(device_dir: str, address: str, wanted: str | None) -> None:
     """Until the function's ``driver`` link names ``wanted`` (``None``: no link); the kernel
     does it before the write returns, a slow probe or a device still in use takes longer."""
@@ -276,17 +297,16 @@ def _on_vfio(sysfs_root: str, dev_root: str, info: DeviceInfo, backend: str) -> 
 
 
 def _record_on_vfio(sysfs_root: str, record: PciDetails) -> PciDetails:
+    """``record`` as the function is now on vfio-pci: the vfio ``_INFO`` entry, its group read
+    as Allocate reads it (``read_vfio_binding``, ``with_vfio_binding``) and its VFIO device."""
     address = record.device.address
-    device_dir = _device_dir(sysfs_root, address)
-    group = link_name(device_dir + "/iommu_group")
-    noiommu = group is not None and read_text(device_dir + "/iommu_group/name") == NOIOMMU_GROUP_NAME
-    device = replace(record.device, driver=VFIO_DRIVER, iommu_group=group, noiommu=noiommu,
-                     vfio_cdev=vfio_cdev_of(device_dir))
+    binding = read_vfio_binding(sysfs_root, address)
+    if binding is None:
+        raise AllocationError(f"{address} is gone from sysfs")
     info = {provider: dict(values) for provider, values in record.info.items()}
-    info["vfio"] = {"mount": "/dev/vfio/vfio"}
-    if vfio := vfio_specs(device):
-        info["vfio"]["dev-mount"] = vfio[1].container_path
-    return replace(record, device=device, info=info, members=())
+    info["vfio"] = {"mount": VFIO_CONTAINER}
+    device = replace(record.device, driver=VFIO_DRIVER, vfio_cdev=vfio_cdev_of(_device_dir(sysfs_root, address)))
+    return with_vfio_binding(replace(record, device=device, info=info, members=()), binding)
 
 
 def _iommufd_specs(sysfs_root: str, dev_root: str, records: Sequence[PciDetails],
