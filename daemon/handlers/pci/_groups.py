@@ -109,16 +109,16 @@ def apply_groups(
                          if a in placed and a not in lendable and passthrough_group(devices[a]) is not None)
         if not offered and not lendable:
             continue
-        lent = [(address, pool(placed[address]).pop(address)) for address in lendable]
-        members = [(address, pool(placed[address]).pop(address)) for address in offered]
+        # every placed function of the group leaves its pool; the group comes back as one device or not at all
+        taken = [(address, pool(placed[address]).pop(address)) for address in (*lendable, *offered)]
         if lendable:
             if not offered and _whole_in_one_pool(addresses, lendable, devices, placed):
-                address, info = group_device(lent)
+                address, info = group_device(taken)
                 pool(placed[lendable[0]])[address] = info
             continue
         if blocking_functions(devices[a] for a in addresses if a in devices):
             continue
-        address, info = group_device(members)
+        address, info = group_device(taken)
         pool(placed[offered[0]])[address] = info
     return changed
 
