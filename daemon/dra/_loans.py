@@ -31,7 +31,7 @@ from daemon.metrics import Metrics
 
 from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
-from ._prepared import ClaimBook, PreparedClaim
+from ._prepared import ClaimBook, PreparedClaim, PreparedDevice
 from ._vfioconfig import VfioConfig
 
 log = logging.getLogger("devplugd.dra")
@@ -54,12 +54,11 @@ def wanted_loans(ref: ClaimRef, chosen: Sequence[Chosen], results: Sequence[Allo
             continue
         if len(asked) > 1:
             backends = ", ".join(sorted(config.backend for config in asked))
-            raise ClaimRefused(f"{ref.label}: device {device.device_name!r} ({device.device_id} of {device.resource}) "
-                               f"is asked for with the VfioConfig backends {backends}; one device has one")
+            raise ClaimRefused(f"{ref.label}: {_named(device)} is asked for with the VfioConfig backends {backends}; "
+                               "one device has one")
         if device.admin_access:
-            raise ClaimRefused(f"{ref.label}: device {device.device_name!r} ({device.device_id} of {device.resource}) "
-                               "is asked for with admin access and a VfioConfig: admin access takes it from nobody, "
-                               "so it cannot be taken from its driver")
+            raise ClaimRefused(f"{ref.label}: {_named(device)} is asked for with admin access and a VfioConfig: "
+                               "admin access takes it from nobody, so it cannot be taken from its driver")
         wanted.append((item, next(iter(asked))))
     return wanted
 
@@ -154,8 +153,7 @@ class ClaimLoans:
             try:
                 loan = hooks.lender.plan_loan(pool, device.device_id)
             except (AllocationError, OSError) as error:
-                raise ClaimRefused(f"{ref.label}: device {device.device_name!r} ({device.device_id} of "
-                                   f"{pool.resource}) cannot go to vfio-pci: {error}") from error
+                raise ClaimRefused(f"{ref.label}: {_named(device)} cannot go to vfio-pci: {error}") from error
             homes = self._homes(loan.handler)  # a part lent already (a Prepare whose giving back failed)
             loans.append(replace(loan, parts=tuple((part, homes.get(part, driver)) for part, driver in loan.parts)))
         return tuple(loans)
@@ -167,21 +165,19 @@ class ClaimLoans:
             try:
                 self._lender(loan).check_loan(loan)
             except (AllocationError, OSError) as error:
-                raise ClaimRefused(f"{ref.label}: device {item.device.device_name!r} ({loan.device_id} of "
-                                   f"{loan.resource}) cannot go to vfio-pci: {error}") from error
+                raise ClaimRefused(f"{ref.label}: {_named(item.device)} cannot go to vfio-pci: {error}") from error
 
     def lend(self, ref: ClaimRef, wanted: Wanted, loans: Sequence[Loan]) -> dict[tuple[str, str], Chosen]:
         """(worker thread) Every loan's functions to vfio-pci; each lent device (by resource and
-        ID) as it is then, in its pool, for the allocation. ClaimRefused names the device and the step that
-        failed; what was rebound stays so (the caller gives every loan back)."""
+        ID) as it is then, in its pool, for the allocation. ClaimRefused names the device and the
+        step that failed; what was rebound stays so (the caller gives every loan back)."""
         lent: dict[tuple[str, str], Chosen] = {}
         for (item, config), loan in zip(wanted, loans, strict=True):
             lender = self._lender(loan)
             try:
                 info = lender.lend(item.pool, loan, config.backend)
             except (AllocationError, OSError) as error:
-                raise ClaimRefused(f"{ref.label}: device {item.device.device_name!r} ({loan.device_id} of "
-                                   f"{loan.resource}) could not go to vfio-pci: {error}") from error
+                raise ClaimRefused(f"{ref.label}: {_named(item.device)} could not go to vfio-pci: {error}") from error
             pool = replace(item.pool, devices={**item.pool.devices, loan.device_id: info})
             lent[loan.resource, loan.device_id] = Chosen(pool, item.device)
         return lent
@@ -238,6 +234,11 @@ class ClaimLoans:
         if hooks is None or hooks.lender is None:
             raise AllocationError(f"no handler {loan.handler!r} to give {loan.device_id} of {loan.resource} back")
         return hooks.lender
+
+
+def _named(device: PreparedDevice) -> str:
+    """A claim's device in its refusals: its name in the slice, its ID and pool."""
+    return f"device {device.device_name!r} ({device.device_id} of {device.resource})"
 
 
 def lent_claims(claims: Mapping[str, PreparedClaim]) -> list[PreparedClaim]:
