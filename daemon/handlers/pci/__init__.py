@@ -39,7 +39,6 @@ from daemon.core import (
     Resync,
     SysfsError,
     UEvent,
-    list_dir,
 )
 from daemon.handlers._functions import RDMA_SUBSYSTEMS, is_pcie_error_report
 from daemon.handlers._sriov_allocation import AllocationEnvs
@@ -59,9 +58,10 @@ from ._explain import explain as explain_function
 from ._explain import why_empty as why_pool_empty
 from ._facts import PciFacts
 from ._folding import ERROR_EVENTS, fold_lent, fold_links, fold_uevent, recovery_concerns
+from ._groups import functions_beside
 from ._pools import PciPoolSpec, PoolBuilder
 from ._preferred import POLICIES, preferred_devices
-from ._rebind import bind_to_vfio, check, give_back, is_bridge_at, lend, plan
+from ._rebind import bind_to_vfio, check, give_back, lend, plan
 from ._selectors import ACCELERATOR, NET_DEVICE, PCI_DEVICE, parse_selector
 
 if TYPE_CHECKING:
@@ -224,11 +224,7 @@ class PciHandler:
         group = record.device.iommu_group
         if group is None or record.device.noiommu:
             return
-        try:
-            members = list_dir(f"{self._sysfs_root}/kernel/iommu_groups/{group}/devices")
-        except SysfsError as error:
-            raise AllocationError(f"{record.device.address}: {error}") from error
-        others = [m for m in members if m not in functions and not is_bridge_at(self._sysfs_root, m)]
+        others = functions_beside(self._sysfs_root, group, functions, record.device.address)
         if others:
             raise AllocationError(f"{record.device.address}: its IOMMU group changed to {group}, which also holds "
                                   f"{', '.join(others)}; not handing out part of a group (try again once the "

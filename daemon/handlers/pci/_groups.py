@@ -21,10 +21,10 @@ another pool's hands).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from daemon.core import HEALTHY, UNHEALTHY, DeviceInfo
+from daemon.core import HEALTHY, UNHEALTHY, AllocationError, DeviceInfo, SysfsError, list_dir, read_hex_id
 
 from ._allocation import VFIO_DRIVER, PciDetails, first_per_host_path
 from ._facts import PciDevice
@@ -37,6 +37,26 @@ BRIDGE_CLASSES = ("0604", "0609")
 def is_bridge_class(class_code: str) -> bool:
     """A PCI bridge: it may keep its driver (pcieport) without making its group not viable."""
     return class_code.startswith(BRIDGE_CLASSES)
+
+
+def is_bridge_at(sysfs_root: str, address: str) -> bool:
+    """Whether the function at ``address`` is a PCI bridge (one that cannot be read is not)."""
+    try:
+        class_code = read_hex_id(f"{sysfs_root}/bus/pci/devices/{address}/class", 6)
+    except SysfsError:
+        return False
+    return class_code is not None and is_bridge_class(class_code)
+
+
+def functions_beside(sysfs_root: str, group: str, functions: Collection[str], address: str) -> list[str]:
+    """The functions of IOMMU group ``group`` as sysfs lists them now, bridges aside, that are not
+    among ``functions`` (those of the device ``address`` names); AllocationError naming it when
+    the group cannot be listed."""
+    try:
+        members = list_dir(f"{sysfs_root}/kernel/iommu_groups/{group}/devices")
+    except SysfsError as error:
+        raise AllocationError(f"{address}: {error}") from error
+    return [member for member in members if member not in functions and not is_bridge_at(sysfs_root, member)]
 
 
 def blocking_functions(members: Iterable[PciDevice]) -> list[PciDevice]:

@@ -37,10 +37,8 @@ from daemon.core import (
     DeviceInfo,
     DeviceSpec,
     Loan,
-    SysfsError,
     link_name,
     list_dir,
-    read_hex_id,
     read_text,
 )
 
@@ -54,7 +52,7 @@ from ._allocation import (
     with_vfio_binding,
 )
 from ._discovery import read_default_route_interfaces, read_vfio_binding, vfio_cdev_of
-from ._groups import is_bridge_class
+from ._groups import functions_beside
 
 log = logging.getLogger("devplugd.pci")
 
@@ -71,8 +69,7 @@ def plan(sysfs_root: str, handler: str, resource: str, device_id: str, info: Dev
     group = link_name(_device_dir(sysfs_root, functions[0]) + "/iommu_group")
     if group is None:
         raise AllocationError(f"{functions[0]} has no IOMMU group: vfio-pci cannot hand it out (is the IOMMU on?)")
-    members = list_dir(f"{sysfs_root}/kernel/iommu_groups/{group}/devices")
-    others = [m for m in members if m not in functions and not is_bridge_at(sysfs_root, m)]
+    others = functions_beside(sysfs_root, group, functions, functions[0])
     if others:
         raise AllocationError(f"{functions[0]}: its IOMMU group {group} also holds {', '.join(others)}, which this "
                               "device does not include; the whole group would have to go to vfio-pci")
@@ -351,12 +348,3 @@ def _wait_for_node(dev_root: str, node: str, address: str) -> None:
 
 def _device_dir(sysfs_root: str, address: str) -> str:
     return f"{sysfs_root}/bus/pci/devices/{address}"
-
-
-def is_bridge_at(sysfs_root: str, address: str) -> bool:
-    """Whether the function at ``address`` is a PCI bridge (one that cannot be read is not)."""
-    try:
-        class_code = read_hex_id(f"{_device_dir(sysfs_root, address)}/class", 6)
-    except SysfsError:
-        return False
-    return class_code is not None and is_bridge_class(class_code)
