@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-import daemon.holdings._book
 from daemon.dra._prepared import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
-from daemon.files import write_atomically
 from daemon.holdings import CLAIM, Holder
+from daemon.holdings._slots import TwinSlots
+from tests.books import book_document
 
 UID_A = "4a1f0c2e-0000-4000-8000-00000000000a"
 UID_B = "4a1f0c2e-0000-4000-8000-00000000000b"
@@ -52,7 +54,7 @@ def test_claim_survives_its_json_round_trip() -> None:
 async def test_added_claim_is_in_the_file_and_in_a_new_book(state_dir: Path) -> None:
     book = loaded(state_dir)
     await book.add(claim())
-    document = json.loads((state_dir / CLAIMS_FILE).read_text())
+    document = book_document(state_dir / CLAIMS_FILE)
     assert document["version"] == 1
     assert [entry["uid"] for entry in document["claims"]] == [UID_A]
     assert loaded(state_dir).prepared(UID_A) == claim()
@@ -82,11 +84,13 @@ async def test_claim_holds_its_devices_from_the_moment_it_is_added(
         state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_may_finish = threading.Event()
 
-    def held_write(path: Path, data: bytes) -> None:
-        write_may_finish.wait(10)  # the disk is slow: the add waits on its write in a worker thread
-        write_atomically(path, data)
+    write = TwinSlots.write
 
-    monkeypatch.setattr(daemon.holdings._book, "write_atomically", held_write)
+    def held_write(slots: TwinSlots, document: Mapping[str, Any]) -> None:
+        write_may_finish.wait(10)  # the disk is slow: the add waits on its write in a worker thread
+        write(slots, document)
+
+    monkeypatch.setattr(TwinSlots, "write", held_write)
     book = loaded(state_dir)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(book.add, claim())

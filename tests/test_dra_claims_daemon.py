@@ -4,7 +4,6 @@ stand-in over real HTTP, the kubelet stand-in's DRA side over real unix sockets,
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 from daemon.dra import device_name
 from tests import test_dra_daemon as daemon_tests
 from tests.apiserver import ApiServer
+from tests.books import book_document
 from tests.daemonrun import DaemonProcess
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
@@ -102,7 +102,7 @@ def test_a_claim_deleted_while_the_daemon_was_down_is_unprepared_at_start_and_it
     daemon.wait_for_log(f"unprepared claim default/orphan (UID {ref[1]}), which the kubelet will never unprepare: "
                         "its ResourceClaim is gone from the API server")
     assert not (short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json").exists()
-    assert json.loads((short_tmp / "state" / "dra-claims.json").read_text())["claims"] == []
+    assert book_document(short_tmp / "state" / "dra-claims.json")["claims"] == []
     dra_kubelet.wait_for_dra(DRIVER, registrations=2)
     after = claim(api, "after", vfs[0])
     assert dra_kubelet.prepare([after])[after[1]].devices  # the VF is free again

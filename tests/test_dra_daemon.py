@@ -21,6 +21,7 @@ import pytest
 
 from daemon.dra import device_name
 from tests.apiserver import SLICES_PATH, ApiServer
+from tests.books import plant_book
 from tests.daemonrun import DaemonProcess, control_cli, wait_for_control
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
@@ -380,7 +381,7 @@ def test_a_lost_claim_book_holds_the_dra_devices_until_its_claims_are_unprepared
     operator says they are free."""
     daemon, vfs, ref = published_with_a_claim(api, host, dra_kubelet, start_dra, "before", 0)
     assert daemon.stop() == 0
-    (short_tmp / "state" / "dra-claims.json").write_bytes(b"\xff{ torn")
+    plant_book(short_tmp / "state" / "dra-claims.json", b"\xff{ torn")
     spec = short_tmp / "cdi" / f"devplugd-claim-{ref[1]}.json"
     (short_tmp / "cdi" / "devplugd-claim-0c1a1m00-0000-4000-8000-00000000dead.json").write_bytes(spec.read_bytes())
     daemon = start_dra()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from daemon.dra._prepared import CLAIMS_FILE, ClaimBook
 from daemon.dra._servicer import DraPluginServicer, add_to_server
 from daemon.sockets import start_unix_server
 from tests import trees
+from tests.books import book_document, plant_book
 from tests.devnodes import DevNodes, mknod
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci
@@ -165,7 +167,7 @@ class Node:
         return document
 
     def checkpoint(self) -> dict[str, Any]:
-        document: dict[str, Any] = json.loads((self.state_dir / CLAIMS_FILE).read_text())
+        document: dict[str, Any] = book_document(self.state_dir / CLAIMS_FILE)
         return document
 
     def devinfo_files(self) -> list[str]:
@@ -792,8 +794,7 @@ async def test_unprepared_device_may_be_prepared_for_another_claim(node: Node) -
 async def test_unprepare_that_cannot_write_the_checkpoint_keeps_the_device_held(node: Node) -> None:
     ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])]))
     await node.prepare_one(ref)
-    (node.state_dir / CLAIMS_FILE).unlink()
-    node.state_dir.rmdir()
+    shutil.rmtree(node.state_dir)
     node.state_dir.write_text("")  # the checkpoint can no longer be written
     errors = await node.preparer.unprepare([ref])
     assert errors[uid(1)] is not None and errors[uid(1)].startswith("claim default/vfs: cannot write the checkpoint")
@@ -806,7 +807,7 @@ async def test_unprepare_that_cannot_write_the_checkpoint_keeps_the_device_held(
 async def test_lost_checkpoint_refuses_new_claims_until_the_old_ones_are_unprepared(node: Node) -> None:
     old = node.api.add(claim_json(1, "old", [result(NET, NET_VFS[0])]))
     await node.prepare_one(old)
-    (node.state_dir / CLAIMS_FILE).write_text("{ torn")
+    plant_book(node.state_dir / CLAIMS_FILE, "{ torn")
     node.restart()
     await node.preparer.restore()
     assert node.book.lost is not None
@@ -822,7 +823,7 @@ async def test_lost_checkpoint_refuses_new_claims_until_the_old_ones_are_unprepa
 async def test_lost_checkpoint_still_prepares_a_claim_that_was_prepared_before(node: Node) -> None:
     old = node.api.add(claim_json(1, "old", [result(NET, NET_VFS[0])]))
     await node.prepare_one(old)
-    (node.state_dir / CLAIMS_FILE).write_text("[]")
+    plant_book(node.state_dir / CLAIMS_FILE, "[]")
     node.restart()
     assert (await node.prepare_one(old)).error is None  # the same claim holds the same devices
     assert node.book.prepared(uid(1)) is not None

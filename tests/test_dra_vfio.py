@@ -29,6 +29,7 @@ from daemon.dra._prepared import CLAIMS_FILE, ClaimBook, PreparedClaim, Prepared
 from daemon.handlers.pci._facts import PciFacts
 from daemon.metrics import Metrics
 from tests import trees
+from tests.books import book_document
 from tests.fakedriver import FakeDriverCore, Uevent
 from tests.fakesysfs import FakeHost
 from tests.pci import Pci, add_nvme_pf
@@ -110,7 +111,7 @@ class Rig:
         return [(self.host.device_dir(a) / "driver_override").read_text().strip() for a in addresses]
 
     def checkpoint(self) -> list[dict[str, Any]]:
-        claims: list[dict[str, Any]] = json.loads((self.root / "state" / CLAIMS_FILE).read_text())["claims"]
+        claims: list[dict[str, Any]] = book_document(self.root / "state" / CLAIMS_FILE)["claims"]
         return claims
 
     def spec(self, claim_uid: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import pytest
 from daemon.dra import device_name
 from tests import test_dra_daemon as daemon_tests
 from tests.apiserver import ApiServer
+from tests.books import book_document
 from tests.daemonrun import DaemonProcess
 from tests.fakedriver import FakeDriverCore, Uevent, to_seam
 from tests.fakesysfs import FakeHost
@@ -110,7 +111,7 @@ def test_a_daemon_killed_between_two_binds_gives_the_group_back_at_start(
     call.start()
     assert hold.started.wait(15), daemon.log
     assert drivers(core, MULTI[0]) == ["vfio-pci"]
-    checkpoint = json.loads((short_tmp / "state" / "dra-claims.json").read_text())["claims"]
+    checkpoint = book_document(short_tmp / "state" / "dra-claims.json")["claims"]
     assert [entry.get("pending") for entry in checkpoint] == [True]  # the loan is on disk before the first unbind
     daemon.stop(signal.SIGKILL)
     hold.release()
@@ -120,7 +121,7 @@ def test_a_daemon_killed_between_two_binds_gives_the_group_back_at_start(
     daemon = start_dra(CONFIG)
     daemon.wait_for_log("its Prepare was cut short")
     assert drivers(core, *MULTI) == ["nvme"] * 3
-    assert json.loads((short_tmp / "state" / "dra-claims.json").read_text())["claims"] == []
+    assert book_document(short_tmp / "state" / "dra-claims.json")["claims"] == []
     dra_kubelet.wait_for_dra(DRIVER, registrations=2)
     dra_kubelet.unprepare([ref])  # the kubelet's Unprepare of the claim it was never answered for
     assert drivers(core, *MULTI) == ["nvme"] * 3

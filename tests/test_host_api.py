@@ -13,6 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from daemon.holdings._slots import TwinSlots
+from tests.books import book_document
 from tests.daemonrun import REPO_ROOT, control_cli, daemon_command
 from tests.daemonrun import wait_for_control as wait_for_control_socket
 from tests.fakesysfs import FakeHost
@@ -148,9 +150,9 @@ def test_kill_9_during_grants_leaves_a_whole_lease_file(sriov, short_tmp, run_da
             daemon.process.send_signal(signal.SIGKILL)
             [f.result() for f in futures]
         daemon.process.wait()
-        lease_file = short_tmp / "state" / "leases.json"
-        if lease_file.exists():  # killed before the first grant: the old state is "no leases"
-            document = json.loads(lease_file.read_text())
+        book = TwinSlots(short_tmp / "state" / "leases.json").read()
+        if book.document is not None or book.problems:  # killed before the first grant: "no leases"
+            document = book_document(short_tmp / "state" / "leases.json")
             devices = [d for lease in document["leases"] for d in lease["devices"]]
             assert len(devices) == len(set(devices))
         daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")

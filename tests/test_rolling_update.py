@@ -26,6 +26,7 @@ from daemon._generated.dra.v1 import api_pb2 as dra_v1
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from daemon.settings import rolling_update_registration_socket_name
 from tests.apiserver import ApiServer
+from tests.books import book_document
 from tests.daemonrun import DaemonProcess, control_cli, wait_for_control
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
@@ -58,7 +59,7 @@ def start_pod(run_daemon: Callable[..., DaemonProcess], seam: Seam, api: ApiServ
 
 def lease_book(short_tmp: Path) -> dict[str, Any]:
     """The lease book as it is on disk (parsed: a torn file fails here)."""
-    book: dict[str, Any] = json.loads((short_tmp / "state" / "leases.json").read_text())
+    book: dict[str, Any] = book_document(short_tmp / "state" / "leases.json")
     return book
 
 

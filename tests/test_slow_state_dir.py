@@ -22,6 +22,7 @@ import pytest
 
 from daemon._generated.devplugd.host.v1 import host_pb2 as host
 from daemon._generated.devplugd.host.v1 import host_pb2_grpc as host_grpc
+from tests.books import book_document
 from tests.daemonrun import control_cli, wait_for_control
 from tests.fakesysfs import FakeHost
 from tests.notify import NotifySocket
@@ -65,7 +66,7 @@ def allocate(short_tmp: Path, owner: str, count: int = 1) -> Outcome:
 
 
 def lease_file(disk: SlowDisk) -> list[dict]:
-    return json.loads((disk.path / "leases.json").read_text())["leases"]
+    return book_document(disk.path / "leases.json")["leases"]
 
 
 @pytest.fixture

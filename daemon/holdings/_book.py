@@ -1,10 +1,10 @@
-"""A durable book: who holds what, in one JSON file, with one policy for every book (the host
-leases, the prepared DRA claims).
+"""A durable book: who holds what, in one JSON file (two slots written in turn, ``_slots``),
+with one policy for every book (the host leases, the prepared DRA claims).
 
-Writes: the whole book, atomically (a temporary file in the same directory, fsync, rename over
-the old one, fsync of the directory), in a worker thread, one write at a time, before anyone
-hears of the change: a ``kill -9`` at any moment leaves the old or the new file, never a torn
-one. What the book reports meanwhile errs on the side of "held": a record being added holds its
+Writes: the whole book, durably (in place over the older slot, then ``fdatasync``), in a worker
+thread, one write at a time, before anyone hears of the change: a ``kill -9`` or a power loss at
+any moment leaves the newest write whole in one slot (a torn one is told by its digest and
+passed over). What the book reports meanwhile errs on the side of "held": a record being added holds its
 devices from the moment it is reserved (so no other road can get them), and a record being
 removed holds them until the file no longer has it (so a crash cannot leave a device with two
 holders).
@@ -15,9 +15,9 @@ for the changes meanwhile: a claim's reservation and its write then set off one 
 the kubelet's answer is out, not two while it is being made and sent. What the book holds
 (``holders``, ``records``) changes at once either way: every road asks it, not the tree.
 
-A file that cannot be read is never taken as empty: that could hand a device to a second holder
-while the first still has it. It is moved aside (kept for the operator), logged once with its
-path and the reason, and the book is *lost* (``lost``): nobody can tell which devices it held,
+A book that cannot be read (no slot is valid) is never taken as empty: that could hand a device
+to a second holder while the first still has it. Its files are moved aside (kept for the
+operator), logged once with their path and the reason, and the book is *lost* (``lost``): nobody can tell which devices it held,
 so they are all held by it (see ``daemon.holdings``) until the operator clears it
 (``clear_lost``, ``devplugd clear-lost``) or its owner finds out on its own. Nothing the file
 holds, text or bytes, escapes as an exception. A lost book writes a fresh file, never over one
@@ -26,7 +26,6 @@ it could not move aside.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -37,10 +36,8 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
-from daemon.core._jsonpath import parse_json
-from daemon.files import write_atomically
-
 from ._holder import DeviceKey, Holder, LostBook
+from ._slots import TwinSlots
 
 log = logging.getLogger("devplugd.holdings")
 
@@ -50,7 +47,8 @@ T = TypeVar("T")
 
 
 class DurableBook(Generic[T]):
-    """Records by key in ``path``, under ``list_key`` (``{"version": 1, "<list_key>": [...]}``).
+    """Records by key in ``path`` (and its slot b), under ``list_key`` (``{"version": 1,
+    "<list_key>": [...]}``, with ``sha256`` and ``sequence``: see ``_slots``).
     ``book`` names it in messages (``lease``, ``claim``). ``from_json`` raises ValueError (or
     KeyError, TypeError) for an entry it cannot take; ``held_by`` says which devices a record
     holds, and as whom; ``sort_keys`` sorts the file's keys."""
@@ -66,7 +64,7 @@ class DurableBook(Generic[T]):
         self._to_json = to_json
         self._from_json = from_json
         self._held_by = held_by
-        self._sort_keys = sort_keys
+        self._slots = TwinSlots(path, sort_keys=sort_keys)
         self.on_change = on_change  # who holds what changed (a reservation, a write, the lost state)
         self._on_disk: dict[str, T] = {}
         self._pending: dict[str, T] = {}  # reserved or being written, not on disk yet
@@ -110,26 +108,28 @@ class DurableBook(Generic[T]):
 
     # -- reading ---------------------------------------------------------------------------------
     def load(self) -> None:
-        """Read the file (a missing one: an empty book). One that cannot be read or parsed is
-        moved aside, logged, and the book is lost; this never raises."""
-        try:
-            data = self._path.read_bytes()
-        except FileNotFoundError:
+        """Read the file (its two slots, see ``_slots``; none there: an empty book). A book that
+        cannot be read or parsed is moved aside, logged, and lost; this never raises."""
+        found = self._slots.read()
+        if found.document is None:
+            if found.problems:
+                self._set_lost(" and ".join(why if path == self._path else f"its slot {path} {why}"
+                                            for path, why in found.problems), move=not found.unreadable)
             return
-        except OSError as error:
-            self._set_lost(f"cannot be read ({error.strerror or error})", move=False)
-            return
+        for path, why in found.problems:  # the other slot: a write a crash cut short
+            log.warning("the %s book %s: its slot %s %s; read the newest valid write instead, %s (sequence %s)",
+                        self._book, self._path, path, why, found.path, found.document.get("sequence", 0),
+                        extra={"EVENT": f"{self._book}-book"})
         try:
-            records = self._parse(data)
+            records = self._parse(found.document)
         except (ValueError, KeyError, TypeError, AttributeError) as error:
-            self._set_lost(f"is corrupt ({type(error).__name__}: {error})", move=True)
+            self._set_lost(f"is corrupt ({found.path}: {type(error).__name__}: {error})", move=True)
             return
         self._on_disk = records
-        log.info("loaded %d %ss from %s", len(records), self._book, self._path)
+        log.info("loaded %d %ss from %s", len(records), self._book, found.path)
 
-    def _parse(self, data: bytes) -> dict[str, T]:
-        document = parse_json(data.decode("utf-8"))  # UnicodeDecodeError is a ValueError
-        if not isinstance(document, dict) or not isinstance(document.get(self._list_key), list):
+    def _parse(self, document: dict[str, Any]) -> dict[str, T]:
+        if not isinstance(document.get(self._list_key), list):
             raise ValueError(f"no {self._list_key!r} list")
         if document.get("version") != FORMAT_VERSION:
             raise ValueError(f"format version {document.get('version')!r}, expected {FORMAT_VERSION}")
@@ -139,12 +139,16 @@ class DurableBook(Generic[T]):
     def _set_lost(self, reason: str, *, move: bool) -> None:
         aside: Path | None = None
         if move:
-            candidate = self._path.with_name(f"{self._path.name}.corrupt-{int(time.time())}")
+            stamp = int(time.time())
             try:
-                os.replace(self._path, candidate)
-                aside = candidate
+                for slot in self._slots.existing():
+                    candidate = slot.with_name(f"{slot.name}.corrupt-{stamp}")
+                    os.replace(slot, candidate)
+                    aside = aside or candidate
+                self._slots.forget()
             except OSError as error:
                 reason = f"{reason} and could not be moved aside ({error})"
+                aside = None
         self._lost = LostBook(self._book, self._path, reason, aside, time.time())
         log.error("%s: which devices its %ss held is unknown, so every device one could hold stays held until "
                   "`devplugd clear-lost %ss` (the file is kept for you)", self._lost, self._book, self._book,
@@ -261,9 +265,8 @@ class DurableBook(Generic[T]):
         """(worker thread) ``before`` first."""
         if before is not None:
             before()
-        if self._lost is not None and self._lost.moved_to is None and self._path.exists():
+        if self._lost is not None and self._lost.moved_to is None and self._slots.existing():
             # the unreadable file is still there: writing over it would lose what it holds
             raise OSError(f"not overwriting {self._path}: {self._lost}")
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        document = {"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]}
-        write_atomically(self._path, json.dumps(document, separators=(",", ":"), sort_keys=self._sort_keys).encode())
+        self._slots.write({"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]})
