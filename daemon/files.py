@@ -36,3 +36,15 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600, *, durable: boo
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def write_new(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Create ``path`` (FileExistsError if it is there) with ``data``, in place: no temporary
+    file, no rename, one directory operation fewer than ``write_atomically``. Only for a file
+    nobody reads before its writer says it is there, and that its writer checks and writes again
+    after a crash (one cut short is left short)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        write_all(descriptor, data)
+    finally:
+        os.close(descriptor)

@@ -243,7 +243,7 @@ async def test_a_kubevirt_reader_finds_each_pci_devices_address(node: MetadataNo
 # -- unprepare, restart ----------------------------------------------------------------------------
 
 
-async def test_unprepare_removes_the_files_their_specs_and_the_directories_left_empty(node: MetadataNode) -> None:
+async def test_unprepare_removes_the_files_their_specs_and_the_claims_directories_left_empty(node: MetadataNode) -> None:
     ref = node.api.add(claim_json(1, "vfs", [result(DPDK, VFIO_VFS[0], "dpdk"), result(NET, NET_VFS[0], "net")]))
     other = node.api.add(claim_json(2, "other", [result(NET, NET_VFS[1], "net")]))
     await node.prepare(ref, other)
@@ -252,7 +252,7 @@ async def test_unprepare_removes_the_files_their_specs_and_the_directories_left_
     assert not node.metadata_path("vfs", "dpdk").parent.parent.exists()
     assert node.metadata_path("other", "net").exists() and node.metadata_spec_path(uid(2), "net").exists()
     await node.preparer.unprepare([other])
-    assert not (node.plugin_dir / "dra-device-metadata").exists()
+    assert list((node.plugin_dir / "dra-device-metadata").iterdir()) == []  # kept for the next claim
     assert list(node.cdi_dir.iterdir()) == []
 
 

@@ -27,8 +27,12 @@ is what a reader of the files (KubeVirt) is built against:
 
 Written in the worker thread that writes the claim's CDI spec; the documents are kept in the
 claim's checkpoint entry, so a file or spec gone or changed (``/var/run`` is a tmpfs) is written
-again byte for byte. Unprepare removes the specs, the files (not one another claim of the same
-name wrote since) and the directories left empty.
+again byte for byte. A new metadata file is written in place (``write_new``: it is on the disk
+of the kubelet's plugin directory, where a rename costs), since nothing reads it before the
+answer names its spec and a file a crash cut short is written again at the kubelet's next
+Prepare; a file written again, and every spec, is replaced atomically. Unprepare removes the
+specs, the files (not one another claim of the same name wrote since) and the claim's
+directories left empty; ``dra-device-metadata`` itself stays, as the helper leaves it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from daemon.cdi import cdi_kind
 from daemon.core import ResourcePool
 from daemon.core._handler import Hooks
 from daemon.core._jsonpath import parse_json
-from daemon.files import write_atomically
+from daemon.files import write_atomically, write_new
 
 from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
@@ -205,11 +209,15 @@ class DeviceMetadataFiles:
             spec = self._spec(claim, request, path)
             for target, content in ((path, stream(request_documents)), (spec_path, spec)):
                 try:
-                    if _content(target) == content:
+                    present = _content(target)
+                    if present == content:
                         continue
                     if not target.parent.is_dir():  # a mkdir of a directory that is there costs one too
                         target.parent.mkdir(parents=True, exist_ok=True)
-                    write_atomically(target, content, mode=0o644, durable=False)
+                    if present is None and target == path:  # nobody reads it before the answer names it
+                        write_new(target, content, mode=0o644)
+                    else:  # a CDI spec (the runtimes watch their directory), or a file written again
+                        write_atomically(target, content, mode=0o644, durable=False)
                 except OSError as error:
                     what = "device metadata" if target == path else "device metadata CDI spec"
                     raise ClaimRefused(f"{claim.label}: cannot write its {what} {target}{again}: {error}") from error
@@ -295,7 +303,7 @@ class DeviceMetadataFiles:
             return
         if written_by in (uid, None) and not _unlink(path, "device metadata", errors):
             return
-        for directory in (path.parent, path.parent.parent, self._root):
+        for directory in (path.parent, path.parent.parent):  # the root stays, as the helper leaves it
             try:
                 directory.rmdir()
             except OSError:  # not empty (or gone): it stays
