@@ -172,6 +172,9 @@ class DraDriverState:
     health_streams: int = 0  # NodeWatchResources streams opened
     health_service: str = ""  # the DRAResourceHealth version of the last stream opened
     calls: list[tuple[str, str]] = field(default_factory=list)  # (method, the endpoint it went to), in order
+    # (method, seconds) of each call as the kubelet's gRPC client sees it: from the stub call to
+    # its answer, on the stand-in's loop (not the hop of a test's thread into it)
+    call_seconds: list[tuple[str, float]] = field(default_factory=list)
 
     def current_health(self, now: float | None = None) -> dict[tuple[str, str], tuple[str, str]]:
         """(pool, device) -> (health, message), with the timeout rule applied."""
@@ -642,11 +645,15 @@ class FakeKubelet:
         fail_on_claim_error: bool,
     ) -> dict[str, Any]:
         registration = self._dra_plugin(driver)
-        self.dra_state(registration.driver).calls.append((method, registration.endpoint))
+        state = self.dra_state(registration.driver)
+        state.calls.append((method, registration.endpoint))
         messages, stubs = DRA_SERVICES[registration.service]
         request = getattr(messages, f"{method}Request")(
             claims=[messages.Claim(namespace=namespace, uid=uid, name=name) for namespace, uid, name in claims])
-        response = await getattr(stubs.DRAPluginStub(registration.channel), method)(request, timeout=timeout)
+        call = getattr(stubs.DRAPluginStub(registration.channel), method)
+        started = time.monotonic()
+        response = await call(request, timeout=timeout)
+        state.call_seconds.append((method, time.monotonic() - started))
         names = {uid: name for _, uid, name in claims}
         for uid, result in response.claims.items():
             if uid not in names:
