@@ -49,6 +49,7 @@ from typing import Any
 
 from daemon.dra import device_name
 from tests.apiserver import ApiServer
+from tests.books import book_document
 from tests.guest.devices import (
     NVME_DRIVER,
     PCI_DEVICES,
@@ -432,8 +433,8 @@ def run(share: Path) -> None:
 
 def _claims_book() -> Any:
     try:
-        return json.loads((WORK / "state" / "dra-claims.json").read_text()).get("claims")
-    except (OSError, ValueError) as error:
+        return book_document(WORK / "state" / "dra-claims.json").get("claims")
+    except (OSError, ValueError, AssertionError) as error:
         return f"unreadable: {error}"
 
 
