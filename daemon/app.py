@@ -277,6 +277,8 @@ async def _serve(
                     service.stopping()
                 nursery.cancel_scope.cancel()
                 await active_part_ended.wait()
+                for book in (leases.book, claims.book):  # whole in the one file an earlier devplugd reads
+                    await book.settle()
                 if passive:
                     hand_over_shared()  # the metrics port and the lock, once nothing of ours writes
                     handover.answer = {"handed_over": True, "message": f"{instance_name(settings.pod_uid)} is passive"}

@@ -29,9 +29,13 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600, *, durable: boo
     finally:
         os.close(descriptor)
     os.rename(temporary, path)
-    if not durable:
-        return
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if durable:
+        sync_directory(path.parent)
+
+
+def sync_directory(path: Path) -> None:
+    """fsync the directory ``path``: the names made, renamed or removed in it survive a power loss."""
+    directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(directory)
     finally:

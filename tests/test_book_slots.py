@@ -4,13 +4,16 @@ earlier devplugd is read and written on."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import daemon.files
 from daemon.dra._prepared import CLAIMS_FILE
 from daemon.holdings._slots import BLOCK, TwinSlots
 from tests.books import book_document
@@ -123,8 +126,61 @@ async def test_a_write_that_fails_leaves_the_last_one_and_is_tried_again_on_the_
     blocker.mkdir()  # slot b cannot be opened for writing
     with pytest.raises(OSError):
         await book.add(claim(UID_B, "b"))
-    assert set(loaded(tmp_path).claims) == {UID_A}
+    assert book.prepared(UID_B) is None and book.holders().keys() == {("intel.com/sriov_net", "0000:3b:02.0")}
     blocker.rmdir()
+    assert set(loaded(tmp_path).claims) == {UID_A}
     await book.add(claim(UID_B, "b"))
     assert book_document(tmp_path / CLAIMS_FILE)["sequence"] == 2
     assert set(loaded(tmp_path).claims) == {UID_A, UID_B}
+
+
+async def test_a_slot_that_cannot_be_read_loses_the_book_rather_than_take_the_other(tmp_path: Path) -> None:
+    """An I/O error says nothing of which slot is newer: the other may be one write behind."""
+    book = loaded(tmp_path)
+    await book.add(claim(UID_A, "a"))  # slot a
+    await book.add(claim(UID_B, "b"))  # slot b: the newest
+    slot_b = tmp_path / "dra-claims.b.json"
+    slot_b.unlink()
+    slot_b.mkdir()  # read() fails with EISDIR, as a disk's EIO would
+    lost = loaded(tmp_path)
+    assert lost.lost == f"the claim book {tmp_path / CLAIMS_FILE} its slot {slot_b} cannot be read (Is a directory)"
+    assert (tmp_path / CLAIMS_FILE).exists() and not list(tmp_path.glob("*.corrupt-*"))  # nothing moved
+
+
+def test_a_book_of_an_earlier_devplugd_is_the_oldest_whatever_sequence_it_says(tmp_path: Path) -> None:
+    """Without the digest nothing tells a torn overwrite of it from a whole one, so a
+    ``sequence`` in it (torn in from the new write's text) never makes it newer."""
+    slots = TwinSlots(tmp_path / "book.json")
+    (tmp_path / "book.json").write_text(json.dumps({"version": 1, "claims": ["old"], "sequence": 99}))
+    slots.read()
+    slots.write(document("new"))  # slot b, sequence 1
+    found = TwinSlots(tmp_path / "book.json").read()
+    assert found.document is not None and (found.path, found.document["claims"]) == (slots.paths[1], ["new"])
+
+
+def test_a_slot_is_made_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first write of a slot cut short leaves no slot, so the book reads as it was (here:
+    empty), not as a lost book of a torn file."""
+    def cut_short(descriptor: int, data: bytes) -> None:
+        os.write(descriptor, data[:100])
+        raise OSError(errno.EIO, "cut short")
+
+    monkeypatch.setattr(daemon.files, "write_all", cut_short)
+    with pytest.raises(OSError):
+        TwinSlots(tmp_path / "book.json").write(document("first"))
+    monkeypatch.undo()
+    assert TwinSlots(tmp_path / "book.json").existing() == []
+    found = TwinSlots(tmp_path / "book.json").read()
+    assert (found.document, found.problems) == (None, [])
+
+
+@pytest.mark.parametrize("writes", [2, 3])
+def test_settling_leaves_the_newest_in_slot_a_alone(tmp_path: Path, writes: int) -> None:
+    slots = TwinSlots(tmp_path / "book.json")
+    for count in range(writes):
+        slots.write(document(f"write {count}"))
+    slots.settle(document(f"write {writes - 1}"))
+    assert slots.existing() == [tmp_path / "book.json"]
+    assert json.loads((tmp_path / "book.json").read_text())["claims"] == [f"write {writes - 1}"]
+    slots.write(document("after"))  # the next start's first write: slot b again
+    assert TwinSlots(tmp_path / "book.json").read().path == tmp_path / "book.b.json"

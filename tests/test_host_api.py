@@ -138,6 +138,20 @@ def test_leases_survive_a_restart_and_kill_9(sriov, short_tmp, run_daemon):
         daemon.process.wait()
 
 
+def test_a_stopped_daemon_leaves_the_whole_lease_book_in_leases_json_for_an_earlier_devplugd(
+        sriov, short_tmp, run_daemon):
+    """Two grants are two writes, the second to ``leases.b.json``; a devplugd of before the
+    slots (a rollback) reads only ``leases.json``, so a clean stop leaves the book whole there."""
+    daemon = run_daemon(CONFIG, "--uevent-source", "none", registration="none")
+    wait_for_control(short_tmp)
+    leases = [json.loads(cli(short_tmp, "allocate", "intel.com/dpdk", "-o", "json").stdout) for _ in range(3)]
+    assert (short_tmp / "state" / "leases.b.json").exists()  # the slots are in use while it runs
+    assert daemon.stop() == 0
+    assert not (short_tmp / "state" / "leases.b.json").exists()
+    as_an_earlier_devplugd_reads_it = json.loads((short_tmp / "state" / "leases.json").read_text())
+    assert sorted(x["lease"] for x in as_an_earlier_devplugd_reads_it["leases"]) == sorted(x["lease"] for x in leases)
+
+
 def test_kill_9_during_grants_leaves_a_whole_lease_file(sriov, short_tmp, run_daemon):
     """Grant and release in a loop while the daemon is killed at random moments: every start
     finds a readable file, and never a device held twice."""

@@ -7,8 +7,9 @@ what to undo and a spec that went missing (``/var/run`` is a tmpfs: a reboot emp
 kubelet still counts the claim prepared) is written again byte for byte, without asking the
 handler anew.
 
-The checkpoint (``<state-dir>/dra-claims.json``) is a ``DurableBook`` (``daemon.holdings``):
-written atomically before the kubelet hears of a change, one write at a time; a claim being added
+The checkpoint (``<state-dir>/dra-claims.json`` and its second slot ``dra-claims.b.json``) is a
+``DurableBook`` (``daemon.holdings``): written durably, never torn, before the kubelet hears of a
+change, one write at a time; a claim being added
 holds its devices from the moment ``add`` is called, and a claim being removed holds them until
 the file no longer has it.
 

@@ -15,10 +15,11 @@ for the changes meanwhile: a claim's reservation and its write then set off one 
 the kubelet's answer is out, not two while it is being made and sent. What the book holds
 (``holders``, ``records``) changes at once either way: every road asks it, not the tree.
 
-A book that cannot be read (no slot is valid) is never taken as empty: that could hand a device
-to a second holder while the first still has it. Its files are moved aside (kept for the
-operator), logged once with their path and the reason, and the book is *lost* (``lost``): nobody can tell which devices it held,
-so they are all held by it (see ``daemon.holdings``) until the operator clears it
+A book that cannot be read (no slot is valid, or one cannot be read at all) is never taken as
+empty or older: that could hand a device to a second holder while the first still has it. Its
+files are moved aside (kept for the operator; not one that cannot be read), logged once with
+their path and the reason, and the book is *lost* (``lost``): nobody can tell which devices it
+held, so they are all held by it (see ``daemon.holdings``) until the operator clears it
 (``clear_lost``, ``devplugd clear-lost``) or its owner finds out on its own. Nothing the file
 holds, text or bytes, escapes as an exception. A lost book writes a fresh file, never over one
 it could not move aside.
@@ -111,10 +112,12 @@ class DurableBook(Generic[T]):
         """Read the file (its two slots, see ``_slots``; none there: an empty book). A book that
         cannot be read or parsed is moved aside, logged, and lost; this never raises."""
         found = self._slots.read()
+        if found.problems and (found.document is None or found.unreadable):
+            # nothing to read, or a slot that may be the newer one cannot be: never an older book
+            self._set_lost(" and ".join(why if path == self._path else f"its slot {path} {why}"
+                                        for path, why in found.problems), move=not found.unreadable)
+            return
         if found.document is None:
-            if found.problems:
-                self._set_lost(" and ".join(why if path == self._path else f"its slot {path} {why}"
-                                            for path, why in found.problems), move=not found.unreadable)
             return
         for path, why in found.problems:  # the other slot: a write a crash cut short
             log.warning("the %s book %s: its slot %s %s; read the newest valid write instead, %s (sequence %s)",
@@ -140,15 +143,17 @@ class DurableBook(Generic[T]):
         aside: Path | None = None
         if move:
             stamp = int(time.time())
+            moved: list[Path] = []
             try:
                 for slot in self._slots.existing():
                     candidate = slot.with_name(f"{slot.name}.corrupt-{stamp}")
                     os.replace(slot, candidate)
-                    aside = aside or candidate
+                    moved.append(candidate)
                 self._slots.forget()
-            except OSError as error:
-                reason = f"{reason} and could not be moved aside ({error})"
-                aside = None
+                aside = moved[0] if moved else None
+            except OSError as error:  # what is left is never written over (``_write``)
+                kept = f"; {', '.join(map(str, moved))} moved aside" if moved else ""
+                reason = f"{reason} and could not be moved aside ({error}{kept})"
         self._lost = LostBook(self._book, self._path, reason, aside, time.time())
         log.error("%s: which devices its %ss held is unknown, so every device one could hold stays held until "
                   "`devplugd clear-lost %ss` (the file is kept for you)", self._lost, self._book, self._book,
@@ -261,6 +266,23 @@ class DurableBook(Generic[T]):
         self._changed()
         return removed
 
+    async def settle(self) -> None:
+        """At the end (nothing writes any more): the book left in its first file alone, for an
+        earlier devplugd that knows only it (``TwinSlots.settle``). A lost book is left as it is;
+        a failure is logged (the next start reads both slots)."""
+        async with self._write_lock:
+            if self._lost is not None:
+                return
+            try:
+                await trio.to_thread.run_sync(self._slots.settle, self._document(self._on_disk))
+            except OSError as error:
+                log.warning("the %s book %s: could not leave it in that one file (%s); an earlier devplugd (one "
+                            "that writes one file) would read it one write behind", self._book, self._path, error,
+                            extra={"EVENT": f"{self._book}-book"})
+
+    def _document(self, records: Mapping[str, T]) -> dict[str, Any]:
+        return {"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]}
+
     def _write(self, records: Mapping[str, T], before: Callable[[], None] | None = None) -> None:
         """(worker thread) ``before`` first."""
         if before is not None:
@@ -269,4 +291,4 @@ class DurableBook(Generic[T]):
             # the unreadable file is still there: writing over it would lose what it holds
             raise OSError(f"not overwriting {self._path}: {self._lost}")
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._slots.write({"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]})
+        self._slots.write(self._document(records))

@@ -2,25 +2,28 @@
 
 Why not a temporary file renamed over the old one: on ext4 that is a new inode, a rename, the
 old inode's blocks freed (a discard with ``-o discard``) and two journal commits (the file's
-fsync, the directory's), about 1.1 ms a write on the disks measured (``benchmarks/
-checkpoint_load.py``), on the way of every DRA Prepare, Unprepare and lease. Overwriting blocks a
-file already has and ``fdatasync`` is one data write and a cache flush, about 0.4 ms.
+fsync, the directory's), about 1.1 ms a write on the disk measured (``benchmarks/dra_prepare.py``
+prints both), on the way of every DRA Prepare, Unprepare and lease. Overwriting blocks a file
+already has and ``fdatasync`` is one data write and a cache flush, about 0.4-0.6 ms.
 
 An overwrite in place can be torn by a crash, so there are two files, ``<name>`` (slot a, the
-name a book always had: a book written by an older devplugd is slot a at sequence 0) and
-``<stem>.b<suffix>`` (slot b). Each write goes to the slot that does not hold the newest
-document, so a torn write never touches the last one written. Each slot is a JSON object (still
-readable with ``jq``)::
+name a book always had) and ``<stem>.b<suffix>`` (slot b). Each write goes to the slot that
+does not hold the newest document, so a torn write never touches the last one written. A slot
+not there yet is made whole, as before (a temporary file renamed into place, fsyncs): a crash
+then leaves it whole or absent. Each slot is a JSON object (still readable with ``jq``)::
 
     {"sha256":"<hex>","sequence":7,"version":1,"leases":[...]}        <spaces>
 
-``sequence`` counts the writes; ``sha256`` is the digest of the text after it (``{`` and the
-rest, the trailing spaces aside). A slot is padded with spaces to the size the file has (a
-shorter document does not shrink it: no metadata change) or, when longer, to a multiple of
-``BLOCK`` (grown now and then, not at every write). Reading takes the valid slot with the highest
-sequence; a slot whose digest does not match, or that is not JSON, is one a crash tore (or
-someone edited): it is reported, and the other is used. A document without ``sha256`` is taken as
-it is (written by an older devplugd, or by hand).
+``sequence`` counts the writes (from 1); ``sha256`` is the digest of the text from the ``{``
+after the ``"sha256":"<hex>",`` prefix, as ``{`` + the rest, the trailing spaces aside. A slot is
+padded with spaces to the size the file has (a shorter document does not shrink it: no metadata
+change) or, when longer, to a multiple of ``BLOCK`` (grown now and then, not at every write).
+Reading takes the valid slot with the highest sequence; a slot whose digest does not match, or
+that is not JSON, is one a crash tore (or someone edited): it is reported, and the other is
+used. A document without the digest prefix (a book of an earlier devplugd, or one written by
+hand) is taken as it is, at sequence 0 whatever it says: a torn overwrite of it cannot pass for
+a newer write. A slot that cannot be read at all is reported apart (``unreadable``): its reader
+cannot tell whether it was the newer.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.core._jsonpath import parse_json
-from daemon.files import write_all
+from daemon.files import sync_directory, write_all, write_atomically
 
 BLOCK = 4096
 _DIGEST_PREFIX = re.compile(rb'\{"sha256":"([0-9a-f]{64})",')
@@ -96,28 +99,41 @@ class TwinSlots:
         self._sequence, self._next = 0, 0
 
     def write(self, document: Mapping[str, Any]) -> None:
-        """(worker thread) ``document`` with the next sequence, durably, over the older slot.
-        OSError: not written (the slot may be torn; the next write tries it again)."""
+        """(worker thread) ``document`` with the next sequence, durably, over the older slot (a
+        slot not there yet is made whole: a temporary file renamed into place). OSError: not
+        known to be written: the slot may be torn, or may hold it whole if only the flush
+        failed (a start before the next write then reads it); the next write goes to it again."""
         sequence = self._sequence + 1
         body = json.dumps({"sequence": sequence, **document}, separators=(",", ":"),
                           sort_keys=self._sort_keys).encode()
         data = b'{"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
         path = self.paths[self._next]
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            size = os.fstat(descriptor).st_size
-            padded = max(size, -(-len(data) // BLOCK) * BLOCK)
-            write_all(descriptor, data.ljust(padded))  # from offset 0: a fresh descriptor
-            os.fdatasync(descriptor)
-        finally:
-            os.close(descriptor)
-        if size == 0:  # a new file (or one a crash left empty): its directory entry, durably
-            directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            descriptor = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # twice in a book's life: made whole or not at all, with its directory entry
+            write_atomically(path, data.ljust(-(-len(data) // BLOCK) * BLOCK))
+        else:
             try:
-                os.fsync(directory)
+                padded = max(os.fstat(descriptor).st_size, -(-len(data) // BLOCK) * BLOCK)
+                write_all(descriptor, data.ljust(padded))  # from offset 0: a fresh descriptor
+                os.fdatasync(descriptor)
             finally:
-                os.close(directory)
+                os.close(descriptor)
         self._sequence, self._next = sequence, 1 - self._next
+
+
+    def settle(self, document: Mapping[str, Any]) -> None:
+        """(worker thread, nothing else writing) Leave the book in slot a alone: ``document``
+        (the newest, as last written) over it if slot b holds the newer, then slot b removed, so
+        an earlier devplugd started next (a rollback) reads the book whole from the one file it
+        knows."""
+        if not os.path.lexists(self.paths[1]):
+            return
+        if self._next == 0:  # the newest is in slot b
+            self.write(document)
+        os.unlink(self.paths[1])
+        sync_directory(self.paths[1].parent)
+        self._next = 1
 
 
 def _valid(data: bytes) -> tuple[dict[str, Any], int]:
@@ -129,7 +145,9 @@ def _valid(data: bytes) -> tuple[dict[str, Any], int]:
     document = parse_json(text.decode("utf-8"))  # UnicodeDecodeError is a ValueError
     if not isinstance(document, dict):
         raise ValueError("not a JSON object")
-    sequence = document.get("sequence", 0)
-    if not isinstance(sequence, int) or isinstance(sequence, bool) or sequence < 0:
+    if matched is None:  # an earlier devplugd's (or a hand's): whatever ``sequence`` it may say, the oldest
+        return document, 0
+    sequence = document.get("sequence")
+    if not isinstance(sequence, int) or isinstance(sequence, bool) or sequence < 1:
         raise ValueError(f"sequence {sequence!r} is not a count")
     return document, sequence

@@ -2,9 +2,10 @@
 
 A lease records the allocation answer it gave (envs, device specs, mounts, CDI names) so it
 stays valid for its whole life, like the kubelet's checkpointed Allocate answers. The lease file
-(``<state-dir>/leases.json``) is a ``DurableBook`` (``daemon.holdings``): written atomically
-before an answer is sent, and, when it cannot be read, moved aside and *lost*: every device stays
-held by it until an operator runs ``devplugd clear-lost leases``.
+(``<state-dir>/leases.json`` and its second slot ``leases.b.json``) is a ``DurableBook``
+(``daemon.holdings``): written durably, never torn, before an answer is sent, and, when it cannot
+be read, moved aside and *lost*: every device stays held by it until an operator runs
+``devplugd clear-lost leases``.
 """
 
 from __future__ import annotations
