@@ -290,5 +290,4 @@ class DurableBook(Generic[T]):
         if self._lost is not None and self._lost.moved_to is None and self._slots.existing():
             # the unreadable file is still there: writing over it would lose what it holds
             raise OSError(f"not overwriting {self._path}: {self._lost}")
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        self._slots.write(self._document(records))
+        self._slots.write(self._document(records))  # it makes the directory with a slot's first write

@@ -48,9 +48,8 @@ _DIGEST_PREFIX = re.compile(rb'\{"sha256":"([0-9a-f]{64})",')
 class SlotsRead:
     """What the two slots hold: ``document`` the newest valid one (``None``: none is), from
     ``path``; ``problems`` each slot file there that could not be taken, and why (``is corrupt
-    (...)``, ``cannot be read (...)``);
-    ``unreadable`` whether one of those could not even be read (an I/O error, not a torn
-    write)."""
+    (...)``, ``cannot be read (...)``); ``unreadable`` whether one of those could not even be
+    read (an I/O error, not a torn write)."""
 
     document: dict[str, Any] | None = None
     path: Path | None = None
@@ -107,20 +106,21 @@ class TwinSlots:
         body = json.dumps({"sequence": sequence, **document}, separators=(",", ":"),
                           sort_keys=self._sort_keys).encode()
         data = b'{"sha256":"' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
+        blocks = -(-len(data) // BLOCK) * BLOCK
         path = self.paths[self._next]
         try:
             descriptor = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:  # twice in a book's life: made whole or not at all, with its directory entry
-            write_atomically(path, data.ljust(-(-len(data) // BLOCK) * BLOCK))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, data.ljust(blocks))
         else:
             try:
-                padded = max(os.fstat(descriptor).st_size, -(-len(data) // BLOCK) * BLOCK)
+                padded = max(os.fstat(descriptor).st_size, blocks)
                 write_all(descriptor, data.ljust(padded))  # from offset 0: a fresh descriptor
                 os.fdatasync(descriptor)
             finally:
                 os.close(descriptor)
         self._sequence, self._next = sequence, 1 - self._next
-
 
     def settle(self, document: Mapping[str, Any]) -> None:
         """(worker thread, nothing else writing) Leave the book in slot a alone: ``document``
