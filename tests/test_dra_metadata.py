@@ -296,6 +296,23 @@ async def test_metadata_of_a_claim_the_checkpoint_does_not_have_is_removed_at_st
     assert kept.exists() and node.metadata_path("vfs", "dpdk").exists()
 
 
+async def test_a_metadata_file_whose_spec_was_never_written_is_removed_at_start(node: MetadataNode) -> None:
+    ref = node.api.add(claim_json(1, "vfs", [result(DPDK, VFIO_VFS[0], "dpdk")]))
+    await node.prepare_one(ref)
+    kept = node.metadata_path("vfs", "dpdk")
+    lone = node.metadata_path("gone", "dpdk")  # a crash between the file and its spec, before the checkpoint
+    lone.parent.mkdir(parents=True)
+    lone.write_text(kept.read_text().replace(uid(1), uid(2)))
+    torn = node.metadata_path("cut", "dpdk")  # cut short by the crash: no UID to read
+    torn.parent.mkdir(parents=True)
+    torn.write_text('{"apiVersion": "metadata.resource.k8s.io/v1')
+    node.restart()
+    await node.preparer.restore()
+    assert not lone.parent.parent.exists() and not torn.parent.parent.exists()
+    assert kept.exists() and node.metadata_spec_path(uid(1), "dpdk").exists()
+    assert node.metadata_documents("vfs", "dpdk")[0]["metadata"]["uid"] == uid(1)
+
+
 async def test_a_checkpoint_of_an_earlier_version_loads_and_its_claims_unprepare(node: MetadataNode) -> None:
     ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])]))
     await node.prepare_one(ref)

@@ -241,10 +241,11 @@ class DeviceMetadataFiles:
             return []
         return self._write(claim, claim.device_metadata, again=" again")
 
-    def remove_stale(self, known: set[str]) -> list[Path]:
+    def remove_stale(self, known: Mapping[str, PreparedClaim]) -> list[Path]:
         """(worker thread) Remove our metadata specs (kind ``<driver>/metadata``) of claims not
-        in ``known`` (a prepare that crashed before its checkpoint), and the files they mount;
-        the specs removed. One that cannot be is logged and left."""
+        in ``known`` (by UID: a prepare that crashed before its checkpoint), and the files they
+        mount, then the files no spec mounts (``_remove_lone_files``); the specs and lone files
+        removed. One that cannot be is logged and left."""
         removed = []
         for spec_path, uid in self._spec_files():
             if uid in known:
@@ -265,6 +266,25 @@ class DeviceMetadataFiles:
                           uid, "; ".join(errors), extra={"EVENT": "restore"})
                 continue
             removed.append(spec_path)
+        return removed + self._remove_lone_files(known)
+
+    def _remove_lone_files(self, known: Mapping[str, PreparedClaim]) -> list[Path]:
+        """The metadata files of claims not in ``known`` that no spec mounts (a crash between
+        writing a file and its spec), removed with their directories left empty. A file that
+        cannot be read as one stays in a known claim's directory: its next Prepare writes it again."""
+        claim_dirs = {f"{claim.namespace}_{claim.name}" for claim in known.values()}
+        removed = []
+        for path in sorted(self._root.glob(f"*/*/{FILE_NAME}")):
+            uid = _claim_uid(path)
+            if uid in known or (uid is None and path.parent.parent.name in claim_dirs):
+                continue
+            errors: list[str] = []
+            self._remove_file(path, uid or "", errors)
+            if errors:
+                log.error("cannot remove the device metadata of claim UID %s, which the checkpoint does not have: %s",
+                          uid, "; ".join(errors), extra={"EVENT": "restore"})
+                continue
+            removed.append(path)
         return removed
 
     # -- unprepare -------------------------------------------------------------------------------

@@ -391,9 +391,9 @@ class ClaimPreparer:
                 await self._unaccounted.read()
                 return
             if self._metadata is not None:
-                for path in await trio.to_thread.run_sync(self._metadata.remove_stale, set(self._claims.claims)):
-                    log.warning("removed the device metadata CDI spec %s and its file: its claim is not in the "
-                                "checkpoint", path, extra={"EVENT": "restore"})
+                for path in await trio.to_thread.run_sync(self._metadata.remove_stale, dict(self._claims.claims)):
+                    log.warning("removed %s: device metadata of a claim not in the checkpoint", path,
+                                extra={"EVENT": "restore"})
             for uid in await trio.to_thread.run_sync(self._specs.stale, set(self._claims.claims)):
                 log.warning("removing the CDI spec of claim UID %s: not in the checkpoint", uid,
                             extra={"EVENT": "restore"})
