@@ -28,8 +28,10 @@ kubelet's own call does not have. The claim GET is split out with the stand-in's
 call -> GET handler starts, the stand-in's own handling of it, its answer written -> the call
 returns.
 For comparison a direct GET of a claim with the same client the daemon uses
-(``daemon.dra._kube.Kube``) is timed in this process, and so is the checkpoint's write on the
-same filesystem, beside the write it replaced (a temporary file renamed over the old one, two
+(``daemon.dra._kube.Kube``) is timed in this process, back to back and ``--gap`` apart, calls
+with no claims back to back and ``--gap`` apart (the floor of the path the rounds take, with
+every thread on it idle when the call comes, as in the rounds), and the checkpoint's write on
+the same filesystem, beside the write it replaced (a temporary file renamed over the old one, two
 fsyncs). Never asserts timings.
 """
 
@@ -88,22 +90,27 @@ def time_hop(kubelet: FakeKubelet, count: int = 200) -> list[float]:
     return times
 
 
-def time_empty_calls(kubelet: FakeKubelet, count: int = 200) -> tuple[list[float], list[float]]:
+def time_empty_calls(kubelet: FakeKubelet, count: int = 200, gap: float = 0.0) -> tuple[list[float], list[float]]:
     """NodePrepareResources and NodeUnprepareResources with no claims: the same path through the
-    stand-in, gRPC and the daemon's servicer, with nothing to do."""
+    stand-in, gRPC and the daemon's servicer, with nothing to do; ``gap`` seconds before each call
+    (as the rounds have: every thread on the way is idle when the call comes), as the stand-in's
+    gRPC client sees them."""
     prepare, unprepare = [], []
+    seen = kubelet.dra_state(DRIVER).call_seconds
     for _ in range(count):
-        started = time.monotonic()
+        time.sleep(gap)
         kubelet.prepare([])
-        middle = time.monotonic()
+        prepare.append(seen[-1][1])
+        time.sleep(gap)
         kubelet.unprepare([])
-        prepare.append(middle - started)
-        unprepare.append(time.monotonic() - middle)
+        unprepare.append(seen[-1][1])
     return prepare, unprepare
 
 
-def time_direct_get(api: StampedApiServer, kubeconfig: Path, count: int = 200) -> tuple[list[float], list[float]]:
-    """A claim GET with ``daemon.dra._kube.Kube`` from this process: client-side and stand-in-side times."""
+def time_direct_get(api: StampedApiServer, kubeconfig: Path, count: int = 200,
+                    gap: float = 0.0) -> tuple[list[float], list[float]]:
+    """A claim GET with ``daemon.dra._kube.Kube`` from this process, ``gap`` seconds after the
+    last: client-side and stand-in-side times."""
     from daemon.dra._kube import Kube
 
     api.put_claim(NAMESPACE, "direct-get", results=[{"request": "vf", "driver": DRIVER, "pool": POOL,
@@ -115,6 +122,7 @@ def time_direct_get(api: StampedApiServer, kubeconfig: Path, count: int = 200) -
         client: list[float] = []
         server: list[float] = []
         for _ in range(count):
+            time.sleep(gap)
             with api._cond:
                 before = len(api.handled)
             started = time.monotonic()
@@ -273,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                 requests = requests_by_kind([r for r in api.handled[timed_from:] if not r.watch])
             hop = time_hop(kubelet)
             empty_prepare, empty_unprepare = time_empty_calls(kubelet)
+            idle_prepare, _ = time_empty_calls(kubelet, gap=arguments.gap)
             direct_client, direct_server = time_direct_get(api, base / "kubeconfig")
+            idle_get, _ = time_direct_get(api, base / "kubeconfig", gap=arguments.gap)
             code, stop_seconds = daemon.stop()
             check_exit(code, daemon.log)
             errors = list(api.internal_errors)
@@ -299,9 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     print("  for comparison, in this process:")
     print(latency_row("  a claim GET with daemon's Kube client", direct_client, width=WIDTH))
     print(latency_row("    of which the stand-in handling it", direct_server, width=WIDTH))
+    print(latency_row(f"    the same, {arguments.gap * 1000:g} ms apart", idle_get, width=WIDTH))
     print(latency_row("  the stand-in's thread hop alone", hop, width=WIDTH))
     print(latency_row("  NodePrepareResources of no claims", empty_prepare, width=WIDTH))
     print(latency_row("  NodeUnprepareResources of no claims", empty_unprepare, width=WIDTH))
+    print(latency_row(f"  the same, {arguments.gap * 1000:g} ms apart", idle_prepare, width=WIDTH))
     print(latency_row("  checkpoint write, in place (/tmp)", in_place, width=WIDTH))
     print(latency_row("    temp file + rename, 2 fsyncs (/tmp)", renamed, width=WIDTH))
     print(f"  slice PUTs during the prepares: {sum(slice_puts)} in {len(slice_puts)} rounds "
