@@ -30,9 +30,10 @@ returns.
 For comparison a direct GET of a claim with the same client the daemon uses
 (``daemon.dra._kube.Kube``) is timed in this process, back to back and ``--gap`` apart, calls
 with no claims back to back and ``--gap`` apart (the floor of the path the rounds take, with
-every thread on it idle when the call comes, as in the rounds), and the checkpoint's write on
-the same filesystem, beside the write it replaced (a temporary file renamed over the old one, two
-fsyncs). Never asserts timings.
+every thread on it idle when the call comes, as in the rounds), and, on the same filesystem, the
+checkpoint's write beside the write it replaced (a temporary file renamed over the old one, two
+fsyncs) and a claim's two device metadata directories and file made (as the Go helper's layout
+has them). Never asserts timings.
 """
 
 from __future__ import annotations
@@ -135,6 +136,26 @@ def time_direct_get(api: StampedApiServer, kubeconfig: Path, count: int = 200,
         kube.close()
         api.delete_claim(NAMESPACE, "direct-get")
     return client, server
+
+
+def time_metadata_dirs(directory: Path, count: int = 50) -> list[float]:
+    """A claim's device metadata made on ``directory``'s filesystem as the Go helper's layout
+    needs it (``<namespace>_<claim>/<request>/`` and a new 1 KB file in it), 20 ms after the last
+    claim's were removed, as a Prepare after an Unprepare makes them."""
+    times: list[float] = []
+    with tempfile.TemporaryDirectory(dir=directory) as where:
+        request = Path(where) / "default_claim" / "vf"
+        for _ in range(count):
+            started = time.monotonic()
+            request.mkdir(parents=True)
+            (request / "metadata.json").write_bytes(b"m" * 1024)
+            times.append(time.monotonic() - started)
+            time.sleep(0.02)
+            (request / "metadata.json").unlink()
+            request.rmdir()
+            request.parent.rmdir()
+            time.sleep(0.02)
+    return times
 
 
 def time_checkpoint_writes(directory: Path, count: int = 50) -> tuple[list[float], list[float]]:
@@ -293,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             clean_up(daemon.kill, kubelet.close, api.close, seam.close)
         in_place, renamed = time_checkpoint_writes(base)
+        metadata_dirs = time_metadata_dirs(base)
 
     rounds = len(prepare)
     print(f"\nround trips through the kubelet stand-in ({arguments.warmup} warm-up rounds not counted), as its "
@@ -316,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     print(latency_row(f"  the same, {arguments.gap * 1000:g} ms apart", idle_prepare, width=WIDTH))
     print(latency_row("  checkpoint write, in place (/tmp)", in_place, width=WIDTH))
     print(latency_row("    temp file + rename, 2 fsyncs (/tmp)", renamed, width=WIDTH))
+    print(latency_row("  a claim's metadata dirs and file (/tmp)", metadata_dirs, width=WIDTH))
     print(f"  slice PUTs during the prepares: {sum(slice_puts)} in {len(slice_puts)} rounds "
           f"(a prepared device stays in its slice)")
     print(f"  API requests over the {rounds} timed rounds: {kinds_text(requests)}")
