@@ -20,7 +20,7 @@ from trio_asyncio import aio_as_trio
 from daemon._generated.dra.v1 import api_pb2 as dra
 from daemon._generated.dra.v1 import api_pb2_grpc as dra_grpc
 from daemon.cdi import CdiWriter
-from daemon.core import UNHEALTHY
+from daemon.core import UNHEALTHY, ResourcePool
 from daemon.core._handler import Hooks, allocate_container
 from daemon.core._tree import DEVICE_PLUGIN_ROAD, DRA_ROAD, DeviceTree
 from daemon.dra import device_name, pool_name
@@ -548,15 +548,23 @@ async def test_device_of_a_device_plugin_pool_is_refused(node: Node) -> None:
     assert node.devinfo_files() == []
 
 
+def _unhealthy(pool: ResourcePool, device_id: str) -> dict[str, Any]:
+    return {"devices": {**pool.devices, device_id: dataclasses.replace(pool.devices[device_id], health=UNHEALTHY)}}
+
+
+def _with_taint(pool: ResourcePool, effect: str) -> dict[str, Any]:
+    """The pool's ``unhealthyTaint`` set to ``effect``."""
+    entry = dataclasses.replace(pool.pool_config.entry, unhealthy_taint=effect)
+    return {"pool_config": dataclasses.replace(pool.pool_config, entry=entry)}
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
         (lambda pool: {"leased": frozenset({NET_VFS[0]})}, "is held by a host lease"),
         (lambda pool: {"kubelet_held": frozenset({NET_VFS[0]})},
          "is held by a pod through the device-plugin API (the kubelet's checkpoint)"),
-        (lambda pool: {"devices": {**pool.devices, NET_VFS[0]: dataclasses.replace(pool.devices[NET_VFS[0]],
-                                                                                   health=UNHEALTHY)}},
-         "is Unhealthy"),
+        (lambda pool: {**_unhealthy(pool, NET_VFS[0]), **_with_taint(pool, "omit")}, "is Unhealthy"),
         (lambda pool: {"vanished": frozenset({NET_VFS[0]})}, "is gone from the host"),
     ],
 )
@@ -564,6 +572,26 @@ async def test_device_that_is_not_free_is_refused(node: Node, change: Any, reaso
     node.change_pool(NET, **change(node.pools[NET]))
     ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])]))
     assert (await node.prepare_one(ref)).error == f"claim default/vfs: device '0000-3b-02-0' ({NET_VFS[0]} of {NET}) {reason}"
+
+
+@pytest.mark.parametrize("effect", ["NoSchedule", "NoExecute", "None"])
+async def test_an_unhealthy_device_published_with_a_taint_is_prepared_for_the_claim_the_scheduler_gave_it(
+        node: Node, effect: str) -> None:
+    # the scheduler allocates a tainted device only to a claim that tolerates the taint (effect
+    # None needs no toleration), or allocated it before the fault: it is that claim's
+    node.change_pool(NET, **_unhealthy(node.pools[NET], NET_VFS[0]), **_with_taint(node.pools[NET], effect))
+    ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])]))
+    answer = await node.prepare_one(ref)
+    assert answer.error is None and [d.device_id for d in answer.devices] == [NET_VFS[0]]
+    assert node.spec(uid(1))["devices"][0]["name"] == f"{uid(1)}-0000-3b-02-0"
+
+
+async def test_an_unhealthy_tainted_device_held_by_a_lease_is_still_refused(node: Node) -> None:
+    pool = node.pools[NET]
+    node.change_pool(NET, **_unhealthy(pool, NET_VFS[0]), leased=frozenset({NET_VFS[0]}))
+    ref = node.api.add(claim_json(1, "vfs", [result(NET, NET_VFS[0])]))
+    assert (await node.prepare_one(ref)).error == (
+        f"claim default/vfs: device '0000-3b-02-0' ({NET_VFS[0]} of {NET}) is held by a host lease")
 
 
 @pytest.mark.parametrize(("parameters", "message"), [

@@ -20,6 +20,7 @@ from daemon.holdings import HolderLookup, claim_asks, refusal, road_refusal
 
 from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
+from ._devices import unhealthy_taint_effect
 from ._names import device_name, pool_name
 from ._prepared import PreparedClaim, PreparedDevice
 
@@ -49,7 +50,8 @@ def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: S
         if pool is None:
             raise ClaimRefused(f"{ref.label}: pool {pool_label!r} is not a pool of this node ({node})")
         admin_access = all(result.admin_access for result in device_results)
-        asker = claim_asks(ref.uid, admin_access=admin_access, prepared_before_loss=before_loss)
+        asker = claim_asks(ref.uid, admin_access=admin_access, prepared_before_loss=before_loss,
+                           takes_unhealthy=unhealthy_taint_effect(pool) is not None)
         if road_refusal(pool, asker) is not None:
             raise ClaimRefused(f"{ref.label}: pool {pool_label!r} ({pool.resource}) is not a DRA pool of this "
                                f"node (it is served through {pool.road})")

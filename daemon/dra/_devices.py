@@ -18,6 +18,7 @@ from collections.abc import Mapping, MutableSet, Sequence
 from typing import Any
 
 from daemon.core import AttributeValue, DeviceDescriber, DeviceInfo, Fault, ResourcePool
+from daemon.core._config import OMIT_UNHEALTHY
 from daemon.core._names import dns_subdomain_problem, label_value_problem
 from daemon.core._tree import UNNAMED_FAULT, VANISHED_FAULT
 from daemon.holdings import SLICE_ASKS, UNHEALTHY, VANISHED, holder_of, refusal
@@ -115,6 +116,13 @@ class Memo:
         self.entries: dict[str, Remembered] = {}
         self.output: list[dict[str, Any]] = []
         self.position: dict[str, int] = {}
+
+
+def unhealthy_taint_effect(pool: ResourcePool) -> str | None:
+    """The effect of the taint ``pool``'s Unhealthy devices are published with (its
+    ``unhealthyTaint``); ``None``: they are left out (``omit``)."""
+    effect = pool.pool_config.entry.unhealthy_taint
+    return None if effect == OMIT_UNHEALTHY else effect
 
 
 def slice_devices(

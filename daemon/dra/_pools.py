@@ -16,11 +16,11 @@ import logging
 from collections.abc import Callable, Mapping
 
 from daemon.core import ResourcePool
-from daemon.core._config import DRA_API, OMIT_UNHEALTHY
+from daemon.core._config import DRA_API
 from daemon.core._handler import Hooks
 from daemon.core._tree import DRA_ROAD, DeviceTree
 
-from ._devices import Memo, slice_devices
+from ._devices import Memo, slice_devices, unhealthy_taint_effect
 from ._names import pool_name
 from ._publisher import SlicePublisher, WantedPool
 from ._slices import MAX_DEVICES_PER_SLICE, MAX_TAINTED_DEVICES_PER_SLICE
@@ -58,9 +58,7 @@ class DraPools:
                 # a reload may change what the describer says: a new pool config, a new memo
                 memo = cached[2] if cached is not None and cached[0].pool_config is pool.pool_config else Memo()
                 hooks = self._hooks.get(pool.handler)
-                effect: str | None = pool.pool_config.entry.unhealthy_taint
-                if effect == OMIT_UNHEALTHY:
-                    effect = None
+                effect = unhealthy_taint_effect(pool)
                 describer = hooks.describer if hooks is not None else None
                 shares = hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
                 devices: list[JsonObject] = slice_devices(

@@ -8,7 +8,8 @@ DRA claim being prepared (``claim_asks``) and the ResourceSlices being published
 2. ``wrong road`` / ``withheld``: the pool is not served on the asker's road (a host lease may
    come from any road's pool; the slices publish the pools the DRA driver chose);
 3. ``vanished``: the handler lost it while something held it (kept listed, Unhealthy);
-4. ``unhealthy``;
+4. ``unhealthy`` (not for a claim whose pool publishes Unhealthy devices with a taint: the
+   scheduler decided, by the claim's tolerations);
 5. held: ``leased`` (a host lease), ``claimed`` (a prepared DRA claim), ``kubelet`` (a pod
    through the device-plugin API, per the kubelet's checkpoint), ``lost book`` (a book that
    could not be read holds every device it could have held).
@@ -59,6 +60,9 @@ class Asker:
     ignored: frozenset[str] = frozenset()  # holder kinds this asker does not count
     claim_uid: str = ""
     prepared_before_loss: bool = False  # a claim the lost claim book may hold itself
+    # an Unhealthy device is the asker's to take: it was published with a taint, so the
+    # scheduler gave it to a claim that tolerates it (or took it before the fault)
+    takes_unhealthy: bool = False
 
     def ignores(self, holder: Holder) -> bool:
         if holder.kind in self.ignored:
@@ -77,10 +81,13 @@ LEASE_ASKS = Asker(HOST, own_book=LEASE)
 SLICE_ASKS = Asker(SLICES, ignored=frozenset({CLAIM}))
 
 
-def claim_asks(uid: str, *, admin_access: bool = False, prepared_before_loss: bool = False) -> Asker:
-    """A DRA claim being prepared; admin access counts no other claim's holding."""
+def claim_asks(uid: str, *, admin_access: bool = False, prepared_before_loss: bool = False,
+               takes_unhealthy: bool = False) -> Asker:
+    """A DRA claim being prepared; admin access counts no other claim's holding; with
+    ``takes_unhealthy`` (its pool publishes Unhealthy devices with a taint) an Unhealthy device
+    is not refused for its health."""
     return Asker(DRA_ROAD, own_book=CLAIM, ignored=frozenset({CLAIM}) if admin_access else frozenset(),
-                 claim_uid=uid, prepared_before_loss=prepared_before_loss)
+                 claim_uid=uid, prepared_before_loss=prepared_before_loss, takes_unhealthy=takes_unhealthy)
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ def refusal(pool: ResourcePool, device_id: str, asker: Asker, live: HolderLookup
         return road
     if device_id in pool.vanished:
         return Refusal(VANISHED, "is gone from the host")
-    if info.health != HEALTHY:
+    if info.health != HEALTHY and not asker.takes_unhealthy:
         return Refusal(UNHEALTHY, f"is {info.health}")
     holder = holder_of(pool, device_id, asker, live)
     if holder is None:
