@@ -484,12 +484,61 @@ def _validate_device(device: Mapping[str, Any], path: str) -> list[FieldError]:
         if "requestPolicy" in value and not device.get("allowMultipleAllocations"):
             errors.append(FieldError("Forbidden", f"{_map_key_path(f'{path}.capacity', key)}.requestPolicy",
                                      detail="allowMultipleAllocations must be true"))
+        elif "requestPolicy" in value:
+            errors += _validate_request_policy(value.get("value"), value["requestPolicy"],
+                                               f"{_map_key_path(f'{path}.capacity', key)}.requestPolicy")
     taints = device.get("taints") or []
     if len(taints) > 16:
         errors.append(_too_many(f"{path}.taints", len(taints), 16))
     else:
         for index, taint in enumerate(taints):
             errors += _validate_taint(taint, f"{path}.taints[{index}]")
+    return errors
+
+
+def _whole(quantity: Any) -> int | None:
+    """A quantity written as a whole number ("4"), else ``None``: the stand-in checks the
+    numbers of a request policy only in whole numbers, which is all devplugd publishes."""
+    return int(quantity) if isinstance(quantity, str) and quantity.isdigit() else None
+
+
+def _validate_request_policy(capacity_value: Any, policy: Mapping[str, Any], path: str) -> list[FieldError]:
+    """validateRequestPolicy (``validation.go``): one of validValues and validRange, each value
+    within the capacity, the default one of them; a range's ``min + step`` within the capacity."""
+    valid_values, valid_range = policy.get("validValues"), policy.get("validRange")
+    if valid_values is not None and valid_range is not None:
+        return [FieldError("Forbidden", path, detail='exactly one policy can be specified, cannot specify '
+                                                     '"validValues" and "validRange" at the same time')]
+    capacity, default = _whole(capacity_value), _whole(policy.get("default"))
+    errors: list[FieldError] = []
+    if valid_values is not None:
+        values = [_whole(v) for v in valid_values]
+        for index, value in enumerate(values):
+            if value is not None and capacity is not None and value > capacity:
+                errors.append(_invalid(f"{path}.validValues[{index}]", valid_values[index],
+                                       f"option is larger than capacity value: {capacity_value}"))
+        if default is not None and default not in values:
+            errors.append(_invalid(f"{path}.validValues", policy.get("default"),
+                                   "default value is not valid according to the requestPolicy"))
+    elif valid_range is not None:
+        where = f"{path}.validRange"
+        low, high, step = (_whole(valid_range.get(k)) for k in ("min", "max", "step"))
+        if valid_range.get("min") is None:
+            return [_required(f"{where}.min", "required when validRange is defined")]
+        if low is None or capacity is None:
+            return errors
+        if low > capacity:
+            errors.append(_invalid(f"{where}.min", valid_range["min"], f"min is larger than capacity value: {capacity}"))
+        if default is not None and default < low:
+            errors.append(_invalid(f"{where}.min", policy["default"], f"default is less than min: {low}"))
+        if high is not None and high > capacity:
+            errors.append(_invalid(f"{where}.max", valid_range["max"], f"max is larger than capacity value: {capacity}"))
+        if step is not None and low + step > capacity:
+            errors.append(_invalid(f"{where}.step", valid_range["step"],
+                                   f"one step {low + step} is larger than capacity value: {capacity}"))
+        if step and default is not None and (default - low) % step:
+            errors.append(_invalid(f"{where}.step", policy["default"],
+                                   f"value is not a multiple of a given step ({step}) from ({low})"))
     return errors
 
 

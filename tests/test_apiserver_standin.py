@@ -483,6 +483,27 @@ def test_shared_device_fields_are_dropped_unless_their_gate_is_on(resource: Reso
         "message": "Forbidden: allowMultipleAllocations must be true"}]
 
 
+def test_a_request_policy_range_must_fit_the_capacity(tmp_path: Path) -> None:
+    def shared(value: str, valid_range: dict[str, str], default: str = "1") -> dict[str, Any]:
+        body = slice_body()
+        body["spec"]["devices"][0].update(allowMultipleAllocations=True, capacity={"shares": {
+            "value": value, "requestPolicy": {"default": default, "validRange": valid_range}}})
+        return body
+
+    with ApiServer(feature_gates={"DRAConsumableCapacity"}) as gated, client_for(gated, tmp_path / "kc") as c:
+        ResourceV1Api(c).create_resource_slice(shared("1", {"min": "1"}))  # one share left, no step
+        with pytest.raises(ApiException) as one_step:
+            ResourceV1Api(c).create_resource_slice(shared("1", {"min": "1", "step": "1"}))
+        with pytest.raises(ApiException) as below:
+            ResourceV1Api(c).create_resource_slice(shared("4", {"min": "2", "step": "2"}, default="3"))
+    path = "spec.devices[0].capacity[shares].requestPolicy.validRange"
+    assert error_of(one_step)["details"]["causes"] == [{
+        "reason": "FieldValueInvalid", "field": f"{path}.step",
+        "message": 'Invalid value: "1": one step 2 is larger than capacity value: 1'}]
+    assert [c["message"] for c in error_of(below)["details"]["causes"]] == [
+        'Invalid value: "3": value is not a multiple of a given step (2) from (2)']
+
+
 def test_unknown_fields_are_dropped_with_a_warning(api: ApiServer, resource: ResourceV1Api) -> None:
     body = slice_body()
     body["spec"]["devices"][0]["colour"] = "blue"

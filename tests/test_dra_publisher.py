@@ -940,6 +940,12 @@ async def test_the_shares_of_a_device_are_one_device_many_claims_may_hold(tmp_pa
                                            unhealthy_taint="NoSchedule")))
             (device,) = [d for s in slices_of(api, "things") for d in s["spec"]["devices"]]
             assert device["capacity"]["shares"]["value"] == "2"
+            # one left: no step (the server refuses a range whose min + step is over the capacity)
+            await running.settle(tree(pool("things", ["kvm-0", "kvm-1", "kvm-2"], leased=["kvm-1", "kvm-2"],
+                                           unhealthy_taint="NoSchedule")))
+            (device,) = [d for s in slices_of(api, "things") for d in s["spec"]["devices"]]
+            assert device["capacity"] == {"shares": {"value": "1", "requestPolicy": {
+                "default": "1", "validRange": {"min": "1"}}}}
             # the node's health is every share's: the one device is tainted
             await running.settle(tree(pool("things", sick(["kvm-0", "kvm-1", "kvm-2"], dict.fromkeys(
                 ["kvm-0", "kvm-1", "kvm-2"], LOST)), unhealthy_taint="NoSchedule")))

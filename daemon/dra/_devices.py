@@ -300,8 +300,10 @@ def _shared_entry(pool: ResourcePool, shared: str, share_ids: Sequence[str], tai
         problems.drop(shared, dropped, f"a shared device has at most {MAX_ATTRIBUTES - 1} attributes")
         del entry["attributes"][dropped]
     entry["allowMultipleAllocations"] = True
-    # a claim that asks for no capacity takes one share; more in steps of one
-    policy = {"default": "1", "validRange": {"min": "1", "step": "1"}}
+    # a claim that asks for no capacity takes one share; more in steps of one, where one step
+    # fits (the API refuses a range whose min + step is over the capacity: one share left)
+    steps = {"step": "1"} if len(offered) > 1 else {}
+    policy = {"default": "1", "validRange": {"min": "1", **steps}}
     entry["capacity"] = {SHARES: {"value": str(len(offered)), "requestPolicy": policy}}
     return entry
 
