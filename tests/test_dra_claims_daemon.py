@@ -18,6 +18,7 @@ from tests.kubelet import FakeKubelet
 from tests.seam import Seam, create_vfs
 from tests.test_dra_daemon import DRIVER, NODE, POOL, TOKEN, add_kvm, claim, config, dra_daemon, names, wait_published
 from tests.test_dra_metadata import CONTAINER_DIR, POD_CLAIM_NAME, container_with, json_stream, kubevirt_pci_address
+from tests.waiting import wait_until
 
 # the DRA daemon tests' fixtures: the API server, the kubelet stand-in, the daemon against both
 api, dra_kubelet, start_dra = daemon_tests.api, daemon_tests.dra_kubelet, daemon_tests.start_dra
@@ -151,6 +152,11 @@ def test_a_devnode_pool_with_count_is_one_shared_device_two_claims_hold_at_once(
         (stored,) = [d for s in api.slices(driver=DRIVER) for d in s["spec"]["devices"] if d["name"] == "kvm"]
         assert stored["allowMultipleAllocations"] is True and stored["capacity"]["shares"]["value"] == "4"
         dra_kubelet.wait_for_dra(DRIVER)
+        # the kubelet finds the device's health under the name the claims' results give it
+        wait_until(lambda: dra_kubelet.dra_state(DRIVER).current_health().get((kvm_pool, "kvm")) == ("Healthy", ""),
+                   10, "the shared device's health under its published name")
+        assert not any(device.startswith("kvm-") for pool, device in dra_kubelet.dra_state(DRIVER).current_health()
+                       if pool == kvm_pool)
         refs = []
         for name, share_id in (("vm-a", "a1b2"), ("vm-b", "c3d4")):
             result = {"request": "kvm", "driver": DRIVER, "pool": kvm_pool, "device": "kvm", "shareID": share_id}

@@ -64,6 +64,21 @@ def test_the_report_names_pools_and_devices_as_the_slices_do():
     assert all(pool_id.startswith(f"{NODE}/") for pool_id in report)
 
 
+def test_a_shared_device_is_one_entry_under_the_name_its_slice_publishes():
+    """A devNode pool's shares are one device in the slices (KEP-5075), which the claims'
+    results name: the kubelet finds that device's health under it, Unhealthy when a share is."""
+    shares = {"kvm": ["kvm-0", "kvm-1", "kvm-2"]}
+    reports = HealthReports(NODE, shares_of=lambda pool: shares if pool.resource == Y else {})
+    healthy = reports.report(tree(dra_pool(X, ["d1"]), dra_pool(Y, shares["kvm"]), version=1))
+    assert {pool_id: dict(part.entries) for pool_id, part in healthy.items()} == {
+        pool_name(NODE, X): {"d1": (dra_health.HEALTHY, "")}, pool_name(NODE, Y): {"kvm": (dra_health.HEALTHY, "")}}
+    sick = reports.report(tree(dra_pool(X, ["d1"]), dra_pool(Y, shares["kvm"], unhealthy=["kvm-1"]), version=2))
+    assert dict(sick[pool_name(NODE, Y)].entries) == {"kvm": (dra_health.UNHEALTHY, "")}
+    message = health_v1.NodeWatchResourcesResponse.FromString(message_bytes(sick))
+    assert [(d.device.pool_name, d.device.device_name) for d in message.devices] == [
+        (pool_name(NODE, X), "d1"), (pool_name(NODE, Y), "kvm")]
+
+
 UNHEALTHY_STATUS = 2  # HealthStatus.UNHEALTHY on the wire
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from daemon.core import AttributeValue, DeviceDescriber, DeviceInfo, Fault, ResourcePool
 from daemon.core._config import OMIT_UNHEALTHY
+from daemon.core._handler import Hooks
 from daemon.core._names import dns_subdomain_problem, label_value_problem
 from daemon.core._tree import UNNAMED_FAULT, VANISHED_FAULT
 from daemon.holdings import SLICE_ASKS, UNHEALTHY, VANISHED, holder_of, refusal
@@ -116,6 +117,13 @@ class Memo:
         self.entries: dict[str, Remembered] = {}
         self.output: list[dict[str, Any]] = []
         self.position: dict[str, int] = {}
+
+
+def pool_shares(hooks_of: Mapping[str, Hooks], pool: ResourcePool) -> Mapping[str, Sequence[str]]:
+    """``pool``'s shared devices (its handler's ``DeviceSharer``): each shared device's ID -> its
+    shares' IDs; none for a handler that shares nothing."""
+    hooks = hooks_of.get(pool.handler)
+    return hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
 
 
 def unhealthy_taint_effect(pool: ResourcePool) -> str | None:

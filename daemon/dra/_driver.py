@@ -44,6 +44,7 @@ from daemon.settings import Settings
 from daemon.supervise import Backoff, keep_running
 
 from ._claims import ClaimNotFound
+from ._devices import pool_shares
 from ._kube import ApiLink, KubeError, NotFound
 from ._orphans import SWEEP_PERIOD, OrphanSweeper
 from ._pools import DraPools
@@ -137,7 +138,8 @@ class DraDriver:
                                  lambda: self._notifier.tree, self._hooks, self._get_claim, self._claim_changed,
                                  holders=self._holdings.holder, metrics=self._metrics, status=status,
                                  metadata=metadata, post=self._post)
-        health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics)
+        health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics,
+                                shares_of=lambda pool: pool_shares(self._hooks, pool))
         return preparer, status, health, DraSockets(settings, DraPluginServicer(preparer), health)
 
     def warm_up(self) -> None:

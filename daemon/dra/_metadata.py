@@ -55,7 +55,7 @@ from daemon.files import write_atomically, write_new
 
 from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
-from ._devices import slice_devices
+from ._devices import pool_shares, slice_devices
 from ._metadocs import API_VERSIONS, Document, device_entry, netdev_of, new_document, read_stream, stream
 from ._prepared import PreparedClaim
 
@@ -181,7 +181,7 @@ class DeviceMetadataFiles:
         for resource, (pool, device_ids) in by_pool.items():
             hooks = self._hooks.get(pool.handler)
             describer = hooks.describer if hooks is not None else None
-            every_share = hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
+            every_share = pool_shares(self._hooks, pool)
             shares = {shared: held for shared, ids in every_share.items()
                       if (held := [i for i in ids if i in device_ids])}
             narrowed = dataclasses.replace(pool, devices={i: pool.devices[i] for i in device_ids if i in pool.devices},

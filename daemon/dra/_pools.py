@@ -20,7 +20,7 @@ from daemon.core._config import DRA_API
 from daemon.core._handler import Hooks
 from daemon.core._tree import DRA_ROAD, DeviceTree
 
-from ._devices import Memo, slice_devices, unhealthy_taint_effect
+from ._devices import Memo, pool_shares, slice_devices, unhealthy_taint_effect
 from ._names import pool_name
 from ._publisher import SlicePublisher, WantedPool
 from ._slices import MAX_DEVICES_PER_SLICE, MAX_TAINTED_DEVICES_PER_SLICE
@@ -60,7 +60,7 @@ class DraPools:
                 hooks = self._hooks.get(pool.handler)
                 effect = unhealthy_taint_effect(pool)
                 describer = hooks.describer if hooks is not None else None
-                shares = hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
+                shares = pool_shares(self._hooks, pool)
                 devices: list[JsonObject] = slice_devices(
                     pool, self._driver, describer, taint_effect=effect, shares=shares, seen=self._seen_problems,
                     memo=memo)

@@ -54,6 +54,7 @@ from daemon.metrics import Metrics
 from ._choice import allocate, choose, releaser
 from ._claims import ClaimNotFound, ClaimRef, ClaimRefused, driver_results
 from ._claimspecs import Chosen, ClaimSpecs
+from ._devices import pool_shares
 from ._loans import ClaimLoans, wanted_loans
 from ._metadata import ClaimMetadata, DeviceMetadataFiles, MetadataStays
 from ._prepared import ClaimBook, PreparedClaim, PreparedDevice
@@ -239,8 +240,7 @@ class ClaimPreparer:
         return self._claims.holders().get((pool.resource, device_id))
 
     def _shares_of(self, pool: ResourcePool) -> Mapping[str, Sequence[str]]:
-        hooks = self._hooks.get(pool.handler)
-        return hooks.sharer.shares(pool) if hooks is not None and hooks.sharer is not None else {}
+        return pool_shares(self._hooks, pool)
 
     async def _rewrite_spec_if_missing(self, claim: PreparedClaim) -> None:
         """Write again the claim's CDI spec if it is missing, and its device metadata files and
