@@ -24,6 +24,7 @@ from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.dra import pool_name
 from daemon.dra._claims import ClaimRef
 from daemon.dra._names import device_name
+from daemon.dra._orphans import OrphanSweeper
 from daemon.dra._prepare import ClaimPreparer, PrepareResult
 from daemon.dra._prepared import CLAIMS_FILE, ClaimBook, PreparedClaim, PreparedDevice
 from daemon.handlers.pci._facts import PciFacts
@@ -254,6 +255,34 @@ async def test_a_prepare_cut_short_between_two_binds_is_given_back_at_start(rig:
     assert rig.checkpoint() == []
     assert rig.lent[0].parts == tuple((address, "nvme") for address in MULTI)  # told before anything moved
     assert rig.lent[-1].parts == ()
+
+
+async def test_the_kubelets_unprepare_of_a_claim_left_pending_gives_its_functions_back(rig: Rig) -> None:
+    """A Prepare whose giving back failed too leaves its pending entry (one function on
+    vfio-pci, one unbound): the kubelet's Unprepare, when the pod goes, tries again."""
+    loan = Loan("pci", NVME, MULTI[0], tuple((address, "nvme") for address in MULTI))
+    await rig.book.add(_pending(loan))
+    for address, driver in ((MULTI[0], "vfio-pci"), (MULTI[1], None)):
+        (rig.host.device_dir(address) / "driver_override").write_text("vfio-pci\n")
+        (rig.host.device_dir(address) / "driver" / "unbind").write_text(address)
+        rig.core.settle()
+        if driver is not None:
+            (rig.host.sys / "bus" / "pci" / "drivers" / driver / "bind").write_text(address)
+    assert rig.book.holders() != {}
+    assert await rig.preparer.unprepare([ClaimRef("default", uid(1), "vm-1")]) == {uid(1): None}
+    assert rig.drivers(*MULTI) == ["nvme"] * 3 and rig.overrides(*MULTI) == ["(null)"] * 3
+    assert rig.checkpoint() == [] and rig.book.holders() == {}
+
+
+async def test_a_claim_left_pending_whose_resourceclaim_is_gone_is_given_back_by_the_sweep(rig: Rig) -> None:
+    loan = Loan("pci", NVME, MULTI[0], tuple((address, "nvme") for address in MULTI))
+    await rig.book.add(_pending(loan))
+    (rig.host.device_dir(MULTI[0]) / "driver_override").write_text("vfio-pci\n")
+    (rig.host.device_dir(MULTI[0]) / "driver" / "unbind").write_text(MULTI[0])
+    rig.core.settle()
+    (rig.host.sys / "bus" / "pci" / "drivers" / "vfio-pci" / "bind").write_text(MULTI[0])
+    await OrphanSweeper(rig.book, rig.api.get_claim, rig.preparer.release_orphans).sweep()  # vm-1 is not there
+    assert rig.drivers(*MULTI) == ["nvme"] * 3 and rig.checkpoint() == []
 
 
 async def test_unprepare_after_a_restart_gives_back_and_a_reboot_is_made_whole_again(rig: Rig) -> None:

@@ -61,7 +61,7 @@ class OrphanSweeper:
         """One look at every claim prepared now."""
         orphans: dict[str, tuple[ClaimRef, str]] = {}
         for uid, claim in list(self._claims.claims.items()):
-            if self._claims.prepared(uid) is None:
+            if self._claims.written(uid) is None:
                 continue  # a Prepare under way: its claim was read a moment ago
             ref = ClaimRef(claim.namespace, uid, claim.name)
             why = await self._why_orphaned(ref)

@@ -300,7 +300,7 @@ class ClaimPreparer:
         async with self._lock:
             with trio.CancelScope(shield=True):
                 for uid, (ref, why) in orphans.items():
-                    if self._claims.prepared(uid) is None:
+                    if self._claims.written(uid) is None:
                         continue  # the kubelet unprepared it meanwhile
                     try:
                         error = await self._unprepare(ref, orphaned=why)
@@ -317,7 +317,7 @@ class ClaimPreparer:
         """Unprepare ``ref``; ``orphaned``: why the kubelet never will (logged, no status written)."""
         if not _UID.fullmatch(ref.uid):
             return None  # never prepared: no spec, no entry has such a UID
-        claim = self._claims.prepared(ref.uid)
+        claim = self._claims.written(ref.uid)  # a pending one too: its functions go back now
         if claim is None:
             try:
                 if self._metadata is not None:  # a prepare that crashed before its checkpoint may have left some

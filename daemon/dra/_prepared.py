@@ -239,6 +239,11 @@ class ClaimBook:
         claim = self._book.on_disk.get(uid)
         return None if claim is None or claim.pending else claim
 
+    def written(self, uid: str) -> PreparedClaim | None:
+        """The claim as written to the checkpoint, ``pending`` or not: what Unprepare undoes (a
+        pending claim's functions go back to their drivers then)."""
+        return self._book.on_disk.get(uid)
+
     def holders(self) -> Mapping[tuple[str, str], Holder]:
         """(resource, device ID) -> the claim it is prepared for (see ``_held_by``)."""
         return self._book.holders()
