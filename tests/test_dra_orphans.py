@@ -125,6 +125,22 @@ async def test_nothing_is_unprepared_while_the_api_server_does_not_answer(claims
         assert not prepared(claims, ref)
 
 
+async def test_a_forbidden_read_is_warned_of_once_naming_the_credentials(
+        claims: Claims, caplog: pytest.LogCaptureFixture) -> None:
+    """The node's own identity may read only the claims of its pods: a 403 for every claim whose
+    pod is gone, which the sweep cannot tell from a claim that is there."""
+    refs = [claims.put(name, [result(DPDK, device)]) for name, device in (("a", VFIO_VFS[0]), ("b", VFIO_VFS[1]))]
+    for ref in refs:
+        await claims.prepare(ref)
+    claims.api.fail_next("GET", "/resourceclaims/[ab]$", 403, count=1000)
+    looks = sweeper(claims)
+    await looks.sweep()
+    await looks.sweep()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "403" in r.getMessage()]
+    assert len(warned) == 1 and "credentials that may get resourceclaims" in warned[0]
+    assert all(prepared(claims, ref) for ref in refs)
+
+
 async def test_a_claim_with_its_uid_on_the_api_server_stays_prepared(claims: Claims) -> None:
     ref = claims.put("in-use", [result(DPDK, VFIO_VFS[0])])
     await claims.prepare(ref)

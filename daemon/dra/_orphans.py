@@ -15,6 +15,9 @@ ever: a claim gone is never coming back.
 
 Only an answer counts: a GET that fails in any other way (the API server unreachable, a 403, a
 500, a timeout, a body without a UID) says nothing, and the claim is kept until the next look.
+A 403 is said once, as a warning: with the node's own identity (the kubelet's kubeconfig) the
+Node authorizer lets devplugd read only the claims of the node's pods, so a claim whose pod is
+gone is a 403 whether it is there or not, and this look can find nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class OrphanSweeper:
         self._period = period
         self._get_timeout = get_timeout
         self.sweeps = 0  # looks completed (for tests and the curious)
+        self._forbidden_told = False  # a 403 warned of already
 
     async def run(self) -> None:
         while True:
@@ -80,6 +84,13 @@ class OrphanSweeper:
             except ClaimNotFound:
                 return "its ResourceClaim is gone from the API server"
             except Exception as error:
+                if getattr(error, "status", None) == 403 and not self._forbidden_told:
+                    self._forbidden_told = True
+                    log.warning("%s (UID %s): the API server does not let devplugd read it (403: %s), so whether "
+                                "it is gone cannot be told; with the node's own credentials that is every claim "
+                                "whose pod is gone: give devplugd credentials that may get resourceclaims (the "
+                                "RBAC of `devplugd dra device-classes --rbac`) for claims the kubelet will never "
+                                "unprepare to be found", ref.label, ref.uid, error, extra={"EVENT": "orphans"})
                 log.debug("%s (UID %s): cannot tell whether it is still on the API server: %s: %s", ref.label,
                           ref.uid, type(error).__name__, error, extra={"EVENT": "orphans"})
                 return None
