@@ -4,6 +4,7 @@ over real HTTP through the official client, for the claim reads and the status w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -227,6 +228,28 @@ async def test_a_write_a_restart_cut_short_is_made_at_start(claims: Claims) -> N
         await claims.preparer.restore()
         await claims.wait_devices("kept", [NET_ENTRY])
         nursery.cancel_scope.cancel()
+
+
+async def test_network_data_stays_after_the_interface_went_into_the_pod(claims: Claims) -> None:
+    """CNI moves the VF's interface into the pod's network namespace: the host's sysfs no longer
+    shows it, and a write at a restart keeps what the status said of it."""
+    ref = claims.put("moved", [result(NET, NET_VFS[0])])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(claims.status.run)
+        await claims.prepare(ref)
+        await claims.wait_devices("moved", [NET_ENTRY])
+        nursery.cancel_scope.cancel()
+    pool = claims.node.pools[NET]
+    info = pool.devices[NET_VFS[0]]
+    gone = dataclasses.replace(info.details, device=dataclasses.replace(info.details.device, netdevs=()))
+    claims.node.change_pool(NET, devices={**pool.devices, NET_VFS[0]: dataclasses.replace(info, details=gone)})
+    claims.restart()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(claims.status.run)
+        await claims.preparer.restore()
+        await claims.api.wait_until_async(lambda: not claims.status.pending, 10, "the writer done")
+        nursery.cancel_scope.cancel()
+    assert claims.devices("moved") == [NET_ENTRY]
 
 
 async def test_a_write_that_changes_nothing_is_not_made(claims: Claims) -> None:

@@ -4,8 +4,9 @@ For each device a claim is prepared with, one entry ``{driver, pool, device}`` (
 ``shareID`` when it has one) and, for a device with a network interface on the host (a VF on a
 kernel net driver, an SF: the handler's ``netdev`` attribute, as its ResourceSlice publishes it),
 ``networkData`` with its ``interfaceName`` and ``hardwareAddress`` (sysfs
-``class/net/<netdev>/address``). At Unprepare our entries go. Entries of other drivers are kept
-as they are.
+``class/net/<netdev>/address``); once written it stays while the claim is prepared, so a write
+after the interface went into the pod's network namespace (at a restart) keeps it. At Unprepare
+our entries go. Entries of other drivers are kept as they are.
 
 Written in the background, never on Prepare's way: Prepare says what it wants (``prepared``,
 ``unprepared``) and returns. One task per claim, ``START_DELAY`` after the wish (so that its
@@ -182,7 +183,9 @@ class ClaimStatusWriter:
             current = status.get("devices")
             current = list(current) if isinstance(current, list) else []
             theirs = [entry for entry in current if not _is_ours(entry, self._driver)]
-            if [entry for entry in current if _is_ours(entry, self._driver)] == ours:
+            there = [entry for entry in current if _is_ours(entry, self._driver)]
+            ours = _keeping_network_data(ours, there)
+            if there == ours:
                 return  # says so already
             if theirs or ours:
                 status["devices"] = theirs + ours
@@ -260,6 +263,16 @@ class ClaimStatusWriter:
             if address:
                 addresses[netdev] = address
         return addresses
+
+
+def _keeping_network_data(ours: list[JsonObject], there: Sequence[Any]) -> list[JsonObject]:
+    """``ours``, each entry without ``networkData`` given the one the status has for the same
+    device and share: an interface moved into the pod's network namespace (as CNI does with a
+    VF) is gone from the host's sysfs, yet it is the device's interface while the claim holds it."""
+    known = {(e.get("pool"), e.get("device"), e.get("shareID")): e["networkData"] for e in there
+             if isinstance(e, Mapping) and isinstance(e.get("networkData"), Mapping)}
+    return [entry if "networkData" in entry or (key := (entry["pool"], entry["device"], entry.get("shareID")))
+            not in known else {**entry, "networkData": known[key]} for entry in ours]
 
 
 def _is_ours(entry: Any, driver: str) -> bool:
