@@ -264,6 +264,8 @@ async def _serve(
                                         explaining, host_gate)
                 await nursery.start(serve_control_socket, settings.control_socket, settings.control_group, host_api)
                 await _start_sources(nursery, settings, handlers, inotify, send_channel, kubelet_send)
+                for lent in dra.lent_at_start():  # folded into the first scan
+                    await send_channel.send(lent)
                 # Sources listen before the first scan, so nothing that happens during it is lost.
                 await send_channel.send(Resync(None, "start"))
                 nursery.start_soon(_announce_ready, loop, endpoints, settings, service)

@@ -131,6 +131,31 @@ def test_a_daemon_killed_between_two_binds_gives_the_group_back_at_start(
     assert drivers(core, *MULTI) == ["nvme"] * 3
 
 
+def test_a_function_a_claim_holds_on_vfio_pci_is_never_offered_to_the_kubelet_across_a_restart(
+    api: ApiServer, core: FakeDriverCore, dra_kubelet: FakeKubelet, start_dra: Callable[..., DaemonProcess]
+) -> None:
+    """A device-plugin pool that selects functions on vfio-pci beside the vfioOnDemand pool: the
+    VF a claim holds on vfio-pci is the claim's, in the first tree after a restart too (before
+    the DRA driver has restored its claims). The pool has nothing else, and a pool with no devices
+    is never registered with the kubelet."""
+    vfio_pool = {"resourceName": "vfio", "resourcePrefix": "example.com", "deviceType": "pciDevice",
+                 "selectors": {"drivers": ["vfio-pci"], "vendors": ["1b36"]}}
+    pools = {"resourceList": [*CONFIG["resourceList"], vfio_pool]}
+    daemon = start_dra(pools)
+    wait_published(api, {device_name(a) for a in (*VFS, MULTI[0])}, pool=POOL)
+    dra_kubelet.wait_for_dra(DRIVER)
+    ref = vm_claim(api, "vm", VFS[0])
+    assert dra_kubelet.prepare([ref])[ref[1]].devices and drivers(core, VFS[0]) == ["vfio-pci"]
+    assert daemon.stop() == 0
+    daemon = start_dra(pools)
+    dra_kubelet.wait_for_dra(DRIVER, registrations=2)  # the claims restored
+    first_tree = next(line for line in daemon.log.splitlines() if "example.com/vfio: " in line)
+    assert "example.com/vfio: 0 devices" in first_tree, daemon.log
+    assert dra_kubelet.state("example.com/vfio").registrations == 0, dra_kubelet.state("example.com/vfio").messages
+    dra_kubelet.unprepare([ref])
+    assert drivers(core, VFS[0]) == ["nvme"]
+
+
 def _prepare_or_error(kubelet: FakeKubelet, ref: tuple[str, str, str]) -> Any:
     try:
         return kubelet.prepare([ref], timeout=20)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from daemon.core import Event
+from daemon.core import Event, Lent
 from daemon.core._events import ClaimsChanged
 from daemon.core._handler import AnyHandler, Hooks
 from daemon.core._notifier import Notifier
@@ -48,7 +48,7 @@ from ._devices import pool_shares
 from ._kube import ApiLink, KubeError, NotFound
 from ._orphans import SWEEP_PERIOD, OrphanSweeper
 from ._pools import DraPools
-from ._prepared import ClaimBook
+from ._prepared import ClaimBook, lent_parts
 from ._publisher import SlicePublisher
 
 if TYPE_CHECKING:
@@ -141,6 +141,14 @@ class DraDriver:
         health = HealthServicer(self._notifier, settings.node_name, metrics=self._metrics,
                                 shares_of=lambda pool: pool_shares(self._hooks, pool))
         return preparer, status, health, DraSockets(settings, DraPluginServicer(preparer), health)
+
+    def lent_at_start(self) -> list[Lent]:
+        """What the claim checkpoint holds on vfio-pci, one ``Lent`` per handler, for the first
+        scan to fold in: until the claims are restored, a function lent to a claim would look
+        like any function on vfio-pci (out of its vfioOnDemand pool, into a pool that selects
+        vfio-pci), and the first tree would offer it to the kubelet."""
+        return [Lent(handler, tuple(sorted(parts.items())), "the claim checkpoint at start")
+                for handler, parts in sorted(lent_parts(self.claims.claims).items())]
 
     def warm_up(self) -> None:
         """Import the Kubernetes client and read the credentials now, in a worker thread, while

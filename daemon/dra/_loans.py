@@ -31,7 +31,7 @@ from daemon.metrics import Metrics
 
 from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
-from ._prepared import ClaimBook, PreparedClaim, PreparedDevice
+from ._prepared import ClaimBook, PreparedClaim, PreparedDevice, lent_parts
 from ._vfioconfig import VfioConfig
 
 log = logging.getLogger("devplugd.dra")
@@ -220,10 +220,7 @@ class ClaimLoans:
     def announce(self, reason: str) -> None:
         """Tell every Lender the parts the checkpoint (and the claims being added) has lent now:
         one ``Lent`` per handler with some, and to those that had some before, an empty one."""
-        parts: dict[str, dict[str, str | None]] = {}
-        for claim in self._book.claims.values():
-            for loan in claim.loans:
-                parts.setdefault(loan.handler, {}).update(loan.parts)
+        parts = lent_parts(self._book.claims)
         for handler in sorted(parts.keys() | self._announced):
             self._post(Lent(handler, tuple(sorted(parts.get(handler, {}).items())), reason))
         self._announced = set(parts)

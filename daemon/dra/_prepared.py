@@ -284,3 +284,12 @@ def _held_by(claim: PreparedClaim) -> Iterator[tuple[tuple[str, str], Holder]]:
     for device in claim.devices:
         if not device.admin_access:
             yield (device.resource, device.device_id), Holder(CLAIM, f"{claim.namespace}/{claim.name}", claim.uid)
+
+
+def lent_parts(claims: Mapping[str, PreparedClaim]) -> dict[str, dict[str, str | None]]:
+    """What ``claims`` hold on vfio-pci, by handler: each function and the driver it goes back to."""
+    parts: dict[str, dict[str, str | None]] = {}
+    for claim in claims.values():
+        for loan in claim.loans:
+            parts.setdefault(loan.handler, {}).update(loan.parts)
+    return parts
