@@ -53,7 +53,8 @@ class Settings:
                                   "prefix of resource names without their own resourcePrefix")
     sysfs_root: Path = option(Path("/sys"), "--sysfs-root", "where sysfs is read")
     dev_root: Path = option(Path("/dev"), "--dev-root", "where device nodes are found")
-    proc_root: Path = option(Path("/proc"), "--proc-root", "where procfs is read, for IPv4 default routes")
+    proc_root: Path = option(Path("/proc"), "--proc-root",
+                             "where procfs is read: default routes, the mount table for vfioOnDemand")
     device_plugin_dir: Path = option(Path("/var/lib/kubelet/device-plugins"), "--device-plugin-dir",
                                      "the kubelet's device-plugin directory, with kubelet.sock")
     plugins_registry_dir: Path = option(Path("/var/lib/kubelet/plugins_registry"), "--plugins-registry-dir",

@@ -12,7 +12,11 @@ kernel's sysfs shows them:
 * SR-IOV: PF ``sriov_totalvfs``/``sriov_numvfs``, ``virtfnN -> ../<vf>``, VF ``physfn -> ../<pf>``;
 * ``<device>/net/<ifname>/type`` (ARPHRD) and ``sys/class/net/<ifname> -> ../../devices/…/net/<ifname>``;
 * RDMA: ``<device>/infiniband/<rdma dev>`` and ``sys/class/infiniband_{verbs,mad}/…/ibdev``;
-* ``proc/net/route`` for IPv4 default routes; ``dev/`` for nodes the daemon checks exist.
+* ``proc/net/route`` for IPv4 default routes, ``proc/net/ipv6_route`` for IPv6 ones; ``dev/`` for
+  nodes the daemon checks exist;
+* block devices (``add_block_device``, ``add_partition``) and NVMe native multipath
+  (``add_nvme_multipath_namespace``): the controller below the function with the hidden path, the
+  head under ``devices/virtual/nvme-subsystem/``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 ETHER = 1
 INFINIBAND = 32
+NVME_CHAR_MAJOR = 240  # dynamic, as the kernel gives the nvme class (the fake needs one)
 
 
 def relative_link(link: Path, target: Path) -> None:
@@ -52,6 +57,9 @@ class FakeHost:
         route = self.proc / "net" / "route"
         if not route.exists():
             write_file(route, "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n")
+        route6 = self.proc / "net" / "ipv6_route"
+        if not route6.exists():
+            write_file(route6, "")  # the kernel's has no header line
 
     @property
     def sys(self) -> Path:
@@ -227,9 +235,74 @@ class FakeHost:
         with open(self.proc / "net" / "route", "a") as route:
             route.write(f"{ifname}\t00000000\t0102A8C0\t0003\t0\t0\t0\t00000000\t0\t0\t0\n")
 
+    def add_default_route6(self, ifname: str, *, flags: int = 0x0003) -> None:
+        """An IPv6 default route (``::/0``) through ``ifname``, as ``/proc/net/ipv6_route`` prints
+        it: destination, prefix length, source, prefix length, next hop, metric, refcount, use,
+        flags (RTF_UP|RTF_GATEWAY by default), the interface right-aligned in 8 columns."""
+        with open(self.proc / "net" / "ipv6_route", "a") as route:
+            route.write(f"{'0' * 32} 00 {'0' * 32} 00 fe80{'0' * 27}1 00000400 00000001 00000000 {flags:08x} "
+                        f"{ifname:>8}\n")
+
     def add_dev_node(self, relative: str) -> Path:
         """A placeholder for a node the daemon only checks for (the kernel here cannot make PCI
         nodes). Tests of real nodes use the real /dev."""
         path = self.dev / relative
         write_file(path, "")
         return path
+
+    # -- block devices -------------------------------------------------------------------------
+    def add_block_device(self, directory: Path, numbers: str | None, *, partition: int | None = None) -> Path:
+        """A block device at ``directory`` as the kernel shows it: ``dev`` = ``MAJ:MIN`` (none for
+        a hidden disk, ``numbers`` None: no device number since Linux 5.15), ``subsystem`` ->
+        ``class/block``, ``class/block/<name>`` -> it, ``holders/``; a whole disk also has
+        ``slaves/`` and ``sys/block/<name>``, a partition its number in ``partition``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        if numbers is not None:
+            write_file(directory / "dev", numbers + "\n")
+        (directory / "holders").mkdir(exist_ok=True)
+        relative_link(directory / "subsystem", self.sys / "class" / "block")
+        relative_link(self.sys / "class" / "block" / directory.name, directory)
+        if partition is not None:
+            write_file(directory / "partition", f"{partition}\n")
+        else:
+            (directory / "slaves").mkdir(exist_ok=True)
+            relative_link(self.sys / "block" / directory.name, directory)
+        return directory
+
+    def add_partition(self, disk: Path, number: int, numbers: str) -> Path:
+        """Partition ``number`` of the disk at ``disk`` (``nvme1n1`` -> ``nvme1n1p<number>``), nested in it."""
+        return self.add_block_device(disk / f"{disk.name}p{number}", numbers, partition=number)
+
+    def add_nvme_multipath_namespace(self, address: str, *, subsystem: int, controller: int, numbers: str,
+                                     nsid: int = 1, path_links: bool = True) -> Path:
+        """A namespace of a multi-controller NVMe subsystem under native multipath
+        (``nvme_core.multipath=Y``), as Linux lays it out; the head's directory:
+
+        * the function's controller ``<function>/nvme/nvme<C>`` (class ``nvme``) and below it the
+          hidden path ``nvme<S>c<C>n<N>``, a block device without a device number;
+        * the subsystem ``devices/virtual/nvme-subsystem/nvme-subsys<S>`` (class
+          ``nvme-subsystem``) with a link to each of its controllers;
+        * the head ``nvme<S>n<N>`` in it, the block device that is mounted (``numbers``), and in
+          its ``multipath/`` a link to each path (Linux 6.15 on; ``path_links=False``: as older
+          kernels show it, without).
+
+        Call it again with another function and controller for the same ``subsystem`` and
+        ``nsid``: a second path to the same head."""
+        controller_dir = self.device_dir(address) / "nvme" / f"nvme{controller}"
+        if not controller_dir.is_dir():
+            write_file(controller_dir / "dev", f"{NVME_CHAR_MAJOR}:{controller}\n")
+            relative_link(controller_dir / "subsystem", self.sys / "class" / "nvme")
+            relative_link(self.sys / "class" / "nvme" / controller_dir.name, controller_dir)
+        path = self.add_block_device(controller_dir / f"nvme{subsystem}c{controller}n{nsid}", None)
+        subsystem_dir = self.sys / "devices" / "virtual" / "nvme-subsystem" / f"nvme-subsys{subsystem}"
+        if not subsystem_dir.is_dir():
+            subsystem_dir.mkdir(parents=True)
+            relative_link(subsystem_dir / "subsystem", self.sys / "class" / "nvme-subsystem")
+            relative_link(self.sys / "class" / "nvme-subsystem" / subsystem_dir.name, subsystem_dir)
+        relative_link(subsystem_dir / controller_dir.name, controller_dir)
+        head = subsystem_dir / f"nvme{subsystem}n{nsid}"
+        if not head.is_dir():
+            self.add_block_device(head, numbers)
+        if path_links:
+            relative_link(head / "multipath" / path.name, path)
+        return head

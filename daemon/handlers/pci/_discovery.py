@@ -8,7 +8,8 @@ whose target names the PCIe root complex):
 default partition key ``ports/1/pkeys/0``); vDPA devices from ``<sysfs>/bus/vdpa/devices``
 (each a directory of its parent function, bound to ``vhost_vdpa`` or ``virtio_vdpa``, with its
 ``vhost-vdpa-<n>`` char device beside ``driver`` when bound to vhost); RDMA character devices from
-``<sysfs>/class/infiniband_{verbs,mad,cm}``; IPv4 default routes from ``<proc>/net/route``.
+``<sysfs>/class/infiniband_{verbs,mad,cm}``; default routes from ``<proc>/net/route`` (IPv4) and
+``<proc>/net/ipv6_route`` (IPv6).
 A device whose entries cannot be read is skipped with a log line naming the path. What the
 auxnet handler reads the same way (link types, NUMA node, PCIe root, RDMA character devices) is
 read by ``daemon.handlers._functions``; the records made are ``_facts``'s.
@@ -38,18 +39,62 @@ log = logging.getLogger("devplugd.pci")
 
 _NO_VDPA: Mapping[str, VdpaDevice] = MappingProxyType({})
 NOIOMMU_GROUP_NAME = "vfio-noiommu"
+IPV6_ANY = "0" * 32  # ``::`` as /proc/net/ipv6_route prints it
+RTF_UP = 0x0001  # route flag (linux/route.h): the route is usable
+LOOPBACK = "lo"
 VHOST_VDPA_PREFIX = "vhost-vdpa-"
 
 
 def read_default_route_interfaces(proc_root: str) -> frozenset[str]:
-    """Interfaces with an IPv4 default route in the main table (``/proc/net/route``)."""
-    text = read_text(join(proc_root, "net", "route"))
+    """Interfaces with a default route: IPv4 (``/proc/net/route``) or IPv6 (``/proc/net/ipv6_route``).
+    A file that is missing (a kernel without IPv6) has none; a line that is not a route is skipped;
+    SysfsError naming the file when it cannot be read."""
+    return _ipv4_default_routes(proc_root) | _ipv6_default_routes(proc_root)
+
+
+def _ipv4_default_routes(proc_root: str) -> frozenset[str]:
+    """Interfaces with an IPv4 default route in the main table: after a header line, the
+    interface, the destination and, eighth, the mask, both ``00000000``."""
     interfaces = set()
-    for line in (text or "").splitlines()[1:]:
+    for line in read_proc_text(join(proc_root, "net", "route")).splitlines()[1:]:
         fields = line.split()
         if len(fields) >= 8 and fields[1] == "00000000" and fields[7] == "00000000":
             interfaces.add(fields[0])
     return frozenset(interfaces)
+
+
+def _ipv6_default_routes(proc_root: str) -> frozenset[str]:
+    """Interfaces with an IPv6 default route (``::/0``) that is up. Each line, in hex but the last:
+    destination, its prefix length, source, its prefix length, next hop, metric, references, use,
+    flags, the interface. Left out: loopback, and routes without RTF_UP (the unreachable default
+    routes the kernel keeps on ``lo``)."""
+    interfaces = set()
+    for line in read_proc_text(join(proc_root, "net", "ipv6_route")).splitlines():
+        fields = line.split()
+        if len(fields) != 10 or fields[0] != IPV6_ANY or fields[1] != "00" or fields[9] == LOOPBACK:
+            continue
+        try:
+            flags = int(fields[8], 16)
+        except ValueError:
+            continue
+        if flags & RTF_UP:
+            interfaces.add(fields[9])
+    return frozenset(interfaces)
+
+
+def read_proc_text(path: str) -> str:
+    """The whole text of a procfs table (a route table, a mount table: a sysfs-sized read would
+    cut a long one short); ``""`` when it does not exist. Names are bytes to the kernel: they are
+    decoded as ``os.listdir`` decodes them, so they compare equal to sysfs entries. SysfsError
+    naming the path when it cannot be read."""
+    try:
+        with open(path, "rb") as table:
+            data = table.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+    except OSError as error:
+        raise SysfsError(f"{path}: cannot read: {error.strerror or error}") from error
+    return os.fsdecode(data)
 
 
 class _PfNetdevCache:

@@ -5,7 +5,7 @@ SR-IOV plugin assigns devices; since that depends on the device alone, a fold th
 devices (or the links they depend on) only moves those few. The builder keeps what it built last
 and patches it; anything it cannot account for (new pools, an unknown lineage) is a full build.
 ``pciDevice`` pools take any function a selector admits (the selector's drivers, ``vfio-pci``
-by default), except a PF with VFs enabled and a NIC carrying an IPv4 default route.
+by default), except a PF with VFs enabled and a NIC carrying a default route (IPv4 or IPv6).
 Health: a device is Unhealthy while it is in PCIe error recovery (or after a failed one: see
 ``_folding``), and when its own link, or (``checkHealthOnPf``, default on) its PF's link, is
 administratively up without carrier.

@@ -13,12 +13,16 @@ had no driver stays with none.
 
 The checks come first and change nothing (``plan``, then ``check`` for the functions that would
 move): the group holds the device's functions and bridges only; no function carries the host's
-default route (read again: routes change after the pool was built); no block device of a
-function is mounted, used as swap or held by another block device (device-mapper, md). A write
-the kernel refuses, a driver link that does not follow within ``BIND_TIMEOUT``, a node that does
-not appear: AllocationError naming the function, the file and the reason. Nothing here
-remembers anything: the DRA preparer records each loan in its checkpoint before ``lend`` and
-keeps it until ``give_back`` returned.
+default route, IPv4 or IPv6 (read again: routes change after the pool was built); no block
+device of a function (an NVMe multipath namespace it has a path to included, see ``_inuse``) is
+mounted, used as swap or held by another block device (device-mapper, md). A write the kernel
+refuses, a driver link that does not follow within ``BIND_TIMEOUT``, a node that does not
+appear: AllocationError naming the function, the file and the reason. Nothing here remembers
+anything: the DRA preparer records each loan in its checkpoint before ``lend`` and keeps it
+until ``give_back`` returned.
+
+A function on vfio-pci is described as discovery reads one: nothing its host driver made (an
+interface, RDMA devices, a uio node, a vDPA device) is left in its record.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from daemon.core import (
@@ -37,10 +41,12 @@ from daemon.core import (
     DeviceInfo,
     DeviceSpec,
     Loan,
+    SysfsError,
     link_name,
     list_dir,
-    read_text,
 )
+from daemon.handlers._functions import netdev_link_type
+from daemon.handlers._sriov_allocation import VHOST_NET_SPECS
 
 from ._allocation import (
     IOMMU_NODE,
@@ -52,13 +58,18 @@ from ._allocation import (
     with_vfio_binding,
 )
 from ._discovery import read_default_route_interfaces, read_vfio_binding, vfio_cdev_of
+from ._facts import PciDevice
 from ._groups import functions_beside
+from ._inuse import check_unused, mounted_devices
 
 log = logging.getLogger("devplugd.pci")
 
 BIND_TIMEOUT = 10.0  # seconds for a driver link to follow a write (an unbind waits for the device's users)
 NODE_TIMEOUT = 2.0  # seconds for /dev/vfio/<group> (or a VFIO device node) to appear after the bind
-_BLOCK_DEPTH = 6  # directories below a function where its block devices sit (SCSI: host/target/lun/block/sdX)
+# _INFO providers of what a host driver made (uio node, RDMA character devices, vDPA device), and
+# the specs a device on vfio-pci keeps beside its vfio ones (needVhostNet's, which are the host's)
+_HOST_DRIVER_PROVIDERS = frozenset({"uio", "rdma", "vdpa"})
+_KEPT_ON_VFIO = frozenset(spec.host_path for spec in VHOST_NET_SPECS)
 
 
 def plan(sysfs_root: str, handler: str, resource: str, device_id: str, info: DeviceInfo) -> Loan:
@@ -89,10 +100,13 @@ def check(sysfs_root: str, proc_root: str, loan: Loan) -> None:
     if not loan.parts:
         return
     _check_vfio_loaded(sysfs_root)
-    routes = read_default_route_interfaces(proc_root)
-    mounted = _mounted_devices(proc_root)
-    for address, _ in loan.parts:
-        _check_unused(_device_dir(sysfs_root, address), address, routes, mounted)
+    try:
+        routes = read_default_route_interfaces(proc_root)
+        mounted = mounted_devices(proc_root)
+        for address, _ in loan.parts:
+            check_unused(sysfs_root, address, routes, mounted)
+    except SysfsError as error:
+        raise AllocationError(f"{loan.parts[0][0]}: cannot tell whether the host still uses it: {error}") from error
 
 
 def lend(sysfs_root: str, dev_root: str, loan: Loan, info: DeviceInfo, backend: str) -> DeviceInfo:
@@ -160,60 +174,6 @@ def _check_vfio_loaded(sysfs_root: str) -> None:
     if not _loaded(sysfs_root, VFIO_DRIVER):
         raise AllocationError(f"{VFIO_DRIVER} is not loaded on this host ({_driver_dir(sysfs_root, VFIO_DRIVER)} is "
                               f"missing): load it (modprobe {VFIO_DRIVER}) before claims ask for it")
-
-
-def _check_unused(device_dir: str, address: str, routes: frozenset[str], mounted: frozenset[str]) -> None:
-    """AllocationError when the function carries the default route or a block device of it is in use."""
-    for ifname in list_dir(device_dir + "/net"):
-        if ifname in routes:
-            raise AllocationError(f"{address} carries the host's default route (interface {ifname}): it is never "
-                                  "taken from its driver")
-    for name, block_dir in _block_devices(device_dir):
-        numbers = read_text(block_dir + "/dev")
-        if numbers is not None and numbers in mounted:
-            raise AllocationError(f"{address}: its block device {name} ({numbers}) is mounted or used as swap")
-        holders = list_dir(block_dir + "/holders")
-        if holders:
-            raise AllocationError(f"{address}: its block device {name} is held by {', '.join(holders)}")
-
-
-def _block_devices(device_dir: str) -> Iterator[tuple[str, str]]:
-    """(name, directory) of every block device and partition below a function (its namespaces,
-    disks), not following links (a PF's ``virtfnN``, a ``subsystem``): the kernel nests them."""
-    stack = [(device_dir, 0)]
-    while stack:
-        directory, depth = stack.pop()
-        try:
-            entries = list(os.scandir(directory))
-        except OSError:
-            continue
-        for entry in entries:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            path = entry.path
-            if link_name(path + "/subsystem") == "block" and os.path.exists(path + "/dev"):
-                yield entry.name, path
-            if depth < _BLOCK_DEPTH:
-                stack.append((path, depth + 1))
-
-
-def _mounted_devices(proc_root: str) -> frozenset[str]:
-    """``MAJ:MIN`` of every block device the host has mounted (the mount table of PID 1: the
-    host's, also from a container given the host's ``/proc``) or uses as swap."""
-    text = read_text(f"{proc_root}/1/mountinfo") or read_text(f"{proc_root}/self/mountinfo") or ""
-    numbers = {fields[2] for line in text.splitlines() if len(fields := line.split()) > 2}
-    for line in (read_text(f"{proc_root}/swaps") or "").splitlines()[1:]:
-        if line.split() and (found := _block_numbers(line.split()[0])) is not None:
-            numbers.add(found)
-    return frozenset(numbers)
-
-
-def _block_numbers(path: str) -> str | None:
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return f"{os.major(status.st_rdev)}:{os.minor(status.st_rdev)}" if status.st_rdev else None
 
 
 # -- the writes -----------------------------------------------------------------------------------
@@ -287,7 +247,7 @@ def _on_vfio(sysfs_root: str, dev_root: str, info: DeviceInfo, backend: str) -> 
         _wait_for_node(dev_root, spec.host_path, records[0].device.address)
     cdev_specs = _iommufd_specs(sysfs_root, dev_root, records, backend)
     specs = cdev_specs if cdev_specs is not None else group_specs
-    kept = [spec for spec in info.specs if not spec.host_path.startswith("/dev/vfio/") and spec.host_path != IOMMU_NODE]
+    kept = [spec for spec in info.specs if spec.host_path in _KEPT_ON_VFIO]
     first, *members = records
     return replace(info, specs=tuple(first_per_host_path([*specs, *kept])),
                    details=replace(first, members=tuple(members)))
@@ -295,15 +255,39 @@ def _on_vfio(sysfs_root: str, dev_root: str, info: DeviceInfo, backend: str) -> 
 
 def _record_on_vfio(sysfs_root: str, record: PciDetails) -> PciDetails:
     """``record`` as the function is now on vfio-pci: the vfio ``_INFO`` entry, its group read
-    as Allocate reads it (``read_vfio_binding``, ``with_vfio_binding``) and its VFIO device."""
+    as Allocate reads it (``read_vfio_binding``, ``with_vfio_binding``) and its VFIO device;
+    without the providers of what its host driver made (``uio``, ``rdma``, ``vdpa``)."""
     address = record.device.address
     binding = read_vfio_binding(sysfs_root, address)
     if binding is None:
         raise AllocationError(f"{address} is gone from sysfs")
-    info = {provider: dict(values) for provider, values in record.info.items()}
+    info = {provider: dict(values) for provider, values in record.info.items()
+            if provider not in _HOST_DRIVER_PROVIDERS}
     info["vfio"] = {"mount": VFIO_CONTAINER}
-    device = replace(record.device, driver=VFIO_DRIVER, vfio_cdev=vfio_cdev_of(_device_dir(sysfs_root, address)))
-    return with_vfio_binding(replace(record, device=device, info=info, members=()), binding)
+    device = _device_on_vfio(_device_dir(sysfs_root, address), record.device)
+    return with_vfio_binding(replace(record, device=device, info=info, rdma_device=None, vdpa=None, members=()),
+                             binding)
+
+
+def _device_on_vfio(device_dir: str, device: PciDevice) -> PciDevice:
+    """The function's facts on vfio-pci, as discovery reads a function there: what its host
+    driver made went with it (interfaces, and with them the default route; RDMA devices and
+    their partition key; uio nodes; a vDPA device), and a VF's link type is its PF's. What the
+    function is stays: address, IDs, class, NUMA node, PCIe root, SR-IOV place and PF link."""
+    return replace(device, driver=VFIO_DRIVER, vfio_cdev=vfio_cdev_of(device_dir), netdevs=(),
+                   link_type=_pf_link_type(device_dir, device), has_default_route=False, rdma_devices=(), pkey=None,
+                   uio_devices=(), vdpa=None)
+
+
+def _pf_link_type(device_dir: str, device: PciDevice) -> str:
+    """The link type of a VF's PF (``""`` for a function that is no VF or whose PF has no
+    interface, or one that cannot be read)."""
+    if device.pf_address is None or device.pf_netdev is None:
+        return ""
+    try:
+        return netdev_link_type(f"{device_dir}/physfn/net/{device.pf_netdev}")
+    except SysfsError:
+        return ""
 
 
 def _iommufd_specs(sysfs_root: str, dev_root: str, records: Sequence[PciDetails],
