@@ -239,14 +239,7 @@ async def test_a_pool_without_vfio_on_demand_refuses_the_config(rig: Rig) -> Non
 async def test_a_prepare_cut_short_between_two_binds_is_given_back_at_start(rig: Rig) -> None:
     """What a SIGKILL between the group's first and second bind leaves: the pending entry, one
     function on vfio-pci, one unbound, one on nvme."""
-    loan = Loan("pci", NVME, MULTI[0], tuple((address, "nvme") for address in MULTI))
-    await rig.book.add(_pending(loan))
-    for address, driver in ((MULTI[0], "vfio-pci"), (MULTI[1], None)):
-        (rig.host.device_dir(address) / "driver_override").write_text("vfio-pci\n")
-        (rig.host.device_dir(address) / "driver" / "unbind").write_text(address)
-        rig.core.settle()
-        if driver is not None:
-            (rig.host.sys / "bus" / "pci" / "drivers" / driver / "bind").write_text(address)
+    await _left_half_moved(rig)
     assert rig.drivers(*MULTI) == ["vfio-pci", None, "nvme"]
 
     rig.restart()
@@ -260,14 +253,7 @@ async def test_a_prepare_cut_short_between_two_binds_is_given_back_at_start(rig:
 async def test_the_kubelets_unprepare_of_a_claim_left_pending_gives_its_functions_back(rig: Rig) -> None:
     """A Prepare whose giving back failed too leaves its pending entry (one function on
     vfio-pci, one unbound): the kubelet's Unprepare, when the pod goes, tries again."""
-    loan = Loan("pci", NVME, MULTI[0], tuple((address, "nvme") for address in MULTI))
-    await rig.book.add(_pending(loan))
-    for address, driver in ((MULTI[0], "vfio-pci"), (MULTI[1], None)):
-        (rig.host.device_dir(address) / "driver_override").write_text("vfio-pci\n")
-        (rig.host.device_dir(address) / "driver" / "unbind").write_text(address)
-        rig.core.settle()
-        if driver is not None:
-            (rig.host.sys / "bus" / "pci" / "drivers" / driver / "bind").write_text(address)
+    await _left_half_moved(rig)
     assert rig.book.holders() != {}
     assert await rig.preparer.unprepare([ClaimRef("default", uid(1), "vm-1")]) == {uid(1): None}
     assert rig.drivers(*MULTI) == ["nvme"] * 3 and rig.overrides(*MULTI) == ["(null)"] * 3
@@ -299,6 +285,19 @@ async def test_unprepare_after_a_restart_gives_back_and_a_reboot_is_made_whole_a
     assert rig.drivers(rig.vfs[0]) == ["vfio-pci"]
     assert await rig.preparer.unprepare([ref]) == {uid(1): None}
     assert rig.drivers(rig.vfs[0]) == ["nvme"] and rig.checkpoint() == []
+
+
+async def _left_half_moved(rig: Rig) -> None:
+    """The multifunction device's pending entry in the checkpoint, and its group as a Prepare
+    cut short leaves it: the first function on vfio-pci, the second unbound, the third on nvme."""
+    loan = Loan("pci", NVME, MULTI[0], tuple((address, "nvme") for address in MULTI))
+    await rig.book.add(_pending(loan))
+    for address, driver in ((MULTI[0], "vfio-pci"), (MULTI[1], None)):
+        (rig.host.device_dir(address) / "driver_override").write_text("vfio-pci\n")
+        (rig.host.device_dir(address) / "driver" / "unbind").write_text(address)
+        rig.core.settle()
+        if driver is not None:
+            (rig.host.sys / "bus" / "pci" / "drivers" / driver / "bind").write_text(address)
 
 
 def _pending(loan: Loan) -> PreparedClaim:
