@@ -7,6 +7,11 @@ tests/guest/scenario_vfio.py runs devplugd with two ``vfioOnDemand`` DRA pools, 
 stand-in and the kubelet stand-in's DRA side in the guest, and records every step. What must hold
 (docs: shared/docs/real-kernel-devices.md section 5; the interface of issue 23):
 
+- first, under Debian's default native NVMe multipath: with the shared namespace's head used as
+  swap, the daemon's in-use check (what Prepare runs before unbinding for vfio-pci) refuses the
+  PF and each VF, naming the head and the function's own hidden path to it, and lets the
+  multifunction functions (no namespace) go; with swap off it lets every function go; the VFs
+  removed again and swap off before the reload to ``multipath=N``;
 - the setup: each VF on nvme with its ``/dev/nvmeXn1`` and its own IOMMU group; the three
   functions in one group;
 - a claim with a ``VfioConfig`` on a VF: Prepare puts it on vfio-pci (its namespace gone), its
@@ -48,8 +53,41 @@ def boot(qemu_guest: Callable[..., GuestResult], share: Path, *, flows: bool) ->
     return guest, json.loads((share / "result.json").read_text())
 
 
+def check_multipath_in_use(record: dict[str, Any], pf: str, mf: list[str]) -> None:
+    """A namespace the host uses through its native-multipath head keeps every function with a path
+    to it from vfio-pci, on the real kernel's layout (daemon/handlers/pci/_inuse.py).
+
+    What Debian's 6.1.0-57 kernel showed: nvme_core.multipath=Y; the head nvme0n1 (259:N) at
+    /sys/devices/virtual/nvme-subsystem/nvme-subsys0/nvme0n1 with no ``multipath/`` directory (links
+    arrived in 6.15), so the head is matched by the path's name; the VFs' hidden paths nvme0c4n1 and
+    nvme0c5n1 (the PF's nvme0c0n1) below each function's controller, with no ``dev`` attribute and
+    no /dev node; the multifunction functions each in a subsystem of their own with no namespace."""
+    assert record["multipath"], f"{record['kernel']}: nvme_core.multipath is off, nothing to check: {record}"
+    head, numbers, functions = record["head"], record["head_numbers"], record["functions"]
+    assert {entry["head"] for entry in functions.values()} == {head}, functions  # one shared namespace
+    assert len({entry["path"] for entry in functions.values()}) == len(functions), functions  # a path each
+    assert record["head_dir"].startswith("/sys/devices/virtual/nvme-subsystem/"), record
+    assert not record["path_node"], record  # the path is hidden: nothing to open, nothing to mount
+    everything = [*functions, *mf]
+    assert record["before"] == {address: None for address in everything}, record["before"]
+    swap = record["swap"]
+    assert swap["swapon"].get("exit") == 0 and swap["swaps_on"] == [f"/dev/{head}"], swap
+    for address, entry in functions.items():
+        assert record["in_use"][address] == (
+            f"{address}: its block device {head} ({numbers}; NVMe multipath, through its path {entry['path']}) "
+            "is mounted or used as swap"), record["in_use"]
+    assert all(record["in_use"][address] is None for address in mf), record["in_use"]
+    assert swap["swapoff"]["exit"] == 0 and swap["swaps_off"] == [], swap
+    assert record["after"] == {address: None for address in everything}, record["after"]
+    left = record["left"]  # as found: no VFs, no swap, autoprobe on, the PF's path alone to the head
+    assert left["vfs"] == [] and left["swaps"] == [] and left["autoprobe"] == "1", left
+    assert set(left["drivers"].values()) == {"nvme"}, left
+    assert sorted(name for name in left["block"] if name.startswith("nvme")) == sorted([head, functions[pf]["path"]]), left
+
+
 def check_setup(setup: dict[str, Any]) -> None:
     vfs, mf, groups = setup["vfs"], setup["mf"], setup["groups"]
+    check_multipath_in_use(setup["multipath_in_use"], setup["pf"], mf)
     assert not setup["multipath"], setup
     assert len(vfs) == 2 and setup["autoprobe"] == "1", setup
     assert all(setup["drivers"][f] == "nvme" for f in [setup["pf"], *vfs, *mf]), setup["drivers"]
@@ -92,6 +130,10 @@ def test_nvme_vfs_run_on_nvme_with_their_namespaces_and_go_to_vfio_and_back_by_h
 ) -> None:
     guest, result = boot(qemu_guest, short_tmp / "share", flows=False)
     setup = result["setup"]
+    in_use = setup["multipath_in_use"]
+    report_line(request, f"guest in-use check under native multipath ({in_use['kernel']}): head {in_use.get('head')} "
+                         f"as swap, VF {in_use.get('vf')} through {in_use.get('path')}, head multipath/ links "
+                         f"{in_use.get('head_multipath_links')}; {in_use['seconds']} s")
     report_line(request, f"guest NVMe VFs on nvme: boot {guest.boot_seconds:.1f} s, nvme reload {setup['reload_s']} s, "
                          f"2 VFs up {setup['enable_s']} s, by hand to vfio-pci {setup['by_hand']['to_vfio_s']} s, "
                          f"back with its namespace {setup['by_hand']['back_total_s']} s; command "

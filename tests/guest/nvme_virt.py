@@ -18,6 +18,10 @@ Management (admin opcode 1Ch), sent here through ``NVME_IOCTL_ADMIN_CMD`` on the
     reload_nvme_without_multipath()      # first: each controller its own /dev/nvmeXn1
     vfs = enable_vfs_on_nvme(pf, 2)      # {'0000:01:00.1': NvmeFunction(controller='nvme4', ...)}
 
+Under native multipath (Debian's default, before the reload) ``enable_vfs_on_nvme(pf, 2,
+hidden_paths=True)`` waits instead for each VF's hidden path ``nvme0c4n1`` and the head
+``/dev/nvme0n1`` it leads to (``NvmeFunction.path``, ``.block``).
+
 The PF needs a namespace every VF sees: ``SriovNvme(n, namespace_mib=...)`` (tests/guest/machine.py).
 """
 
@@ -54,6 +58,7 @@ RESOURCE_VI = 1
 VF_QUEUES = 2  # an admin queue and one I/O queue
 VF_INTERRUPTS = 1
 NVME_CLASS_DIR = Path("/sys/class/nvme")
+NVME_SUBSYSTEM_CLASS_DIR = Path("/sys/class/nvme-subsystem")
 LIVE_TIMEOUT = 30.0
 RESET_SETTLE_SECONDS = 0.5  # QEMU runs the reset's work after the sysfs write returns
 BLOCK_TIMEOUT = 30.0
@@ -62,6 +67,7 @@ INITRAMFS_MODULES = Path("/proc/1/root/lib/modules")  # tests/guest/image.py put
 SYS_DELETE_MODULE = 176  # x86_64
 SYS_FINIT_MODULE = 313
 _NAMESPACE = re.compile(r"^nvme[0-9]+n[0-9]+$")  # not a multipath path nvmeXcYnZ
+_PATH = re.compile(r"^nvme[0-9]+c[0-9]+n[0-9]+$")  # a multipath path: nvme<subsystem>c<controller>n<namespace>
 
 
 class NvmeAdminError(OSError):
@@ -86,11 +92,14 @@ class SecondaryController:
 
 @dataclass(frozen=True)
 class NvmeFunction:
-    """A function on ``nvme``: its controller (``nvmeN``) and namespace block device (``/dev/nvmeNn1``)."""
+    """A function on ``nvme``: its controller (``nvmeN``) and namespace block device (``/dev/nvmeNn1``;
+    under native multipath the head's node ``/dev/nvme<S>n1``, and ``path`` the function's hidden
+    path to it, ``nvme<S>c<C>n1``)."""
 
     address: str
     controller: str
     block: str
+    path: str = ""
 
 
 def admin_command(controller: str, opcode: int, *, nsid: int = 0, cdw10: int = 0, cdw11: int = 0,
@@ -156,15 +165,24 @@ def wait_live(address: str, timeout: float = LIVE_TIMEOUT) -> str:
     return wait_until(live, timeout, f"{address}'s nvme controller live", interval=0.02)
 
 
-def wait_on_nvme(address: str, timeout: float = BLOCK_TIMEOUT) -> NvmeFunction:
-    """Until the function is on nvme, its controller live and its namespace's node there."""
+def wait_on_nvme(address: str, timeout: float = BLOCK_TIMEOUT, *, hidden_path: bool = False) -> NvmeFunction:
+    """Until the function is on nvme, its controller live and its namespace's node there; with
+    ``hidden_path`` (native multipath on, a shared namespace) until its hidden path is there and
+    the node of the head that path belongs to."""
     def ready() -> NvmeFunction | None:
         if driver_of(address) != NVME_DRIVER:
             return None
-        controller, block = controller_of(address), namespace_block(address)
-        if controller is None or block is None or controller_state(controller) != "live":
+        controller = controller_of(address)
+        if controller is None or controller_state(controller) != "live":
             return None
-        return NvmeFunction(address, controller, block)
+        if not hidden_path:
+            block = namespace_block(address)
+            return NvmeFunction(address, controller, block) if block is not None else None
+        path = namespace_path(address)
+        head = multipath_head(controller, path) if path is not None else None
+        if path is None or head is None or not (Path("/dev") / head).exists():
+            return None
+        return NvmeFunction(address, controller, f"/dev/{head}", path)
     found: NvmeFunction | None = wait_until(ready, timeout, f"{address} on nvme with its namespace", interval=0.01)
     assert found is not None
     return found
@@ -186,6 +204,52 @@ def namespace_block(address: str) -> str | None:
         node = Path("/dev") / name
         if node.exists():
             return str(node)
+    return None
+
+
+def namespace_path(address: str) -> str | None:
+    """The hidden multipath path (``nvme<S>c<C>n<N>``) of the function's first namespace, under
+    its controller in sysfs; None without one (multipath off, or a namespace not shared)."""
+    controller = controller_of(address)
+    if controller is None:
+        return None
+    try:
+        names = sorted(entry.name for entry in (NVME_CLASS_DIR / controller).iterdir() if _PATH.match(entry.name))
+    except FileNotFoundError:
+        return None
+    return names[0] if names else None
+
+
+def subsystem_of(controller: str) -> Path | None:
+    """The ``/sys/class/nvme-subsystem/nvme-subsysN`` holding a link named after ``controller``."""
+    try:
+        subsystems = sorted(NVME_SUBSYSTEM_CLASS_DIR.iterdir())
+    except FileNotFoundError:
+        return None
+    return next((subsystem for subsystem in subsystems if (subsystem / controller).is_symlink()), None)
+
+
+def multipath_head(controller: str, path: str) -> str | None:
+    """The head (``nvme<S>n<N>``) the controller's hidden ``path`` belongs to, found as the kernel
+    relates them rather than by name: the block device in the controller's subsystem whose
+    ``nsid`` is the path's. None when there is none."""
+    subsystem = subsystem_of(controller)
+    try:
+        nsid = (NVME_CLASS_DIR / controller / path / "nsid").read_text().strip()
+    except FileNotFoundError:
+        return None
+    if subsystem is None:
+        return None
+    for entry in sorted(subsystem.iterdir()):
+        if entry.is_symlink() or not (entry / "subsystem").is_symlink():
+            continue  # the links to its controllers; its attributes
+        if os.path.basename(os.readlink(entry / "subsystem")) != "block":
+            continue  # the generic char device ngXnY
+        try:
+            if (entry / "nsid").read_text().strip() == nsid:
+                return entry.name
+        except FileNotFoundError:
+            continue
     return None
 
 
@@ -239,9 +303,11 @@ def reload_nvme_without_multipath(timeout: float = LIVE_TIMEOUT) -> None:
         wait_live(function, timeout)
 
 
-def enable_vfs_on_nvme(pf: str, count: int, *, timeout: float = BLOCK_TIMEOUT) -> dict[str, NvmeFunction]:
+def enable_vfs_on_nvme(pf: str, count: int, *, timeout: float = BLOCK_TIMEOUT,
+                       hidden_paths: bool = False) -> dict[str, NvmeFunction]:
     """Steps 1-4: ``count`` VFs of ``pf`` on ``nvme``, each with its controller live and its
-    namespace block device; by VF address, in ``virtfnN`` order. The PF must be on nvme with no VFs."""
+    namespace block device (``hidden_paths``: native multipath on, its hidden path and the head's
+    node); by VF address, in ``virtfnN`` order. The PF must be on nvme with no VFs."""
     primary_flexible_to_zero(pf)
     write(PCI_DEVICES / pf / "sriov_drivers_autoprobe", "0")
     set_num_vfs(pf, count)
@@ -259,4 +325,4 @@ def enable_vfs_on_nvme(pf: str, count: int, *, timeout: float = BLOCK_TIMEOUT) -
     for vf in vfs:
         if driver_of(vf) is None:
             write(DRIVERS_PROBE, vf)
-    return {vf: wait_on_nvme(vf, timeout) for vf in vfs}
+    return {vf: wait_on_nvme(vf, timeout, hidden_path=hidden_paths) for vf in vfs}

@@ -3,7 +3,13 @@ claims (issue 23) on a real kernel, with devplugd, the API server stand-in and t
 stand-in's DRA side all in the guest.
 
 The guest has an SR-IOV NVMe PF with a shared namespace (rp0) and a 3-function multifunction
-NVMe (rp1, one IOMMU group). Setup (tests/guest/nvme_virt.py): nvme reloaded without multipath,
+NVMe (rp1, one IOMMU group). First, under Debian's default native NVMe multipath
+(``multipath_in_use``): the PF's VFs up on ``nvme``, the shared namespace's head ``nvme0n1`` used as
+swap, and the daemon's in-use check (``daemon.handlers.pci._inuse.check_unused``, what Prepare
+runs before unbinding a function for vfio-pci) asked about each function: a function with only
+the hidden path ``nvme0c<C>n1`` to the head must be refused while the head is in use, and let go
+once it is not; then swap off and the VFs gone again. Setup (tests/guest/nvme_virt.py): nvme
+reloaded without multipath,
 the PF's VFs brought up on ``nvme``, each with its ``/dev/nvmeXn1``; one VF taken to vfio-pci and
 back by hand (the kernel's own figures). Then ``devplugd run`` with two DRA ``pciDevice`` pools
 with ``"vfioOnDemand": true``, both selecting functions on ``nvme``: ``nvme_vfs`` (the PF's
@@ -33,6 +39,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -47,7 +54,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from daemon.core import AllocationError
 from daemon.dra import device_name
+from daemon.handlers.pci._inuse import check_unused, mounted_devices
 from tests.apiserver import ApiServer
 from tests.books import book_document
 from tests.guest.devices import (
@@ -59,7 +68,9 @@ from tests.guest.devices import (
     functions_below,
     iommu_group_of,
     ports,
+    set_num_vfs,
     vfio_node,
+    vfs_of,
 )
 from tests.guest.nvme_virt import (
     controller_of,
@@ -363,6 +374,102 @@ def kill_at_first_bind(scenario: VfioScenario, functions: list[str], record: dic
         time.sleep(KILL_POLL)
 
 
+def run_tool(argv: list[str]) -> dict[str, Any]:
+    """Run a tool of the host's root (util-linux's mkswap, swapon, swapoff); its exit and output."""
+    tool = shutil.which(argv[0])
+    if tool is None:
+        return {"argv": argv, "missing": True}
+    done = subprocess.run([tool, *argv[1:]], capture_output=True, text=True, timeout=STEP_TIMEOUT, check=False)
+    return {"argv": argv, "exit": done.returncode, "output": (done.stdout + done.stderr).strip()}
+
+
+def swap_devices() -> list[str]:
+    return [line.split()[0] for line in Path("/proc/swaps").read_text().splitlines()[1:] if line.split()]
+
+
+def in_use_refusal(address: str) -> str | None:
+    """What the daemon's in-use check says before a Prepare unbinds ``address`` for vfio-pci (the
+    host's mount table and swaps read as the daemon reads them): None when it lets the function
+    go, its refusal otherwise."""
+    try:
+        check_unused(sysfs_root="/sys", address=address, routes=frozenset(), mounted=mounted_devices("/proc"))
+    except AllocationError as error:
+        return str(error)
+    return None
+
+
+@contextmanager
+def used_as_swap(node: str, record: dict[str, Any]) -> Iterator[None]:
+    """The block device ``node`` used as swap (the host's mkswap and swapon), swapped off at the end.
+
+    Swap, not a mount: the 6.1 guest kernel has no block filesystem built in (its
+    /proc/filesystems lists only nodev ones; ext4 is a module the initramfs does not carry), and
+    ``mounted_devices`` reads /proc/swaps as it reads the mount table. The namespace is QEMU's
+    null-co (writes dropped, reads give zeros): mkswap's header lives only in the device's page
+    cache, which the kernel drops at the block device's last close (blkdev_put: kill_bdev; seen:
+    ``swapon: read swap header failed`` after mkswap had exited). So a descriptor is held from
+    before mkswap until after swapoff; once it is closed the header goes with the cache and the
+    namespace reads zeros again, as before. Nothing is swapped out in practice (1 GiB, little of it
+    used); what would be would come back as zeros."""
+    holder = os.open(node, os.O_RDONLY)
+    try:
+        record["mkswap"] = run_tool(["mkswap", node])
+        record["swapon"] = run_tool(["swapon", node])
+        record["swaps_on"] = swap_devices()
+        yield
+    finally:
+        if node in swap_devices():
+            record["swapoff"] = run_tool(["swapoff", node])
+        record["swaps_off"] = swap_devices()
+        os.close(holder)
+
+
+def multipath_in_use(pf: str, mf: list[str], record: dict[str, Any]) -> None:
+    """Under Debian's default native NVMe multipath (before the reload): the PF's VFs on nvme, each
+    with only a hidden path ``nvme<S>c<C>n1`` to the shared namespace's head ``nvme<S>n1`` (in
+    devices/virtual/nvme-subsystem/, below no function); the head used as swap; the daemon's
+    in-use check asked about every function before, during and after (the multifunction
+    functions, with no namespace, must pass throughout); then swap off and the VFs removed, the
+    guest as it was for the reload. Records the kernel's layout: the head's and the path's sysfs
+    directories, the head's ``multipath/`` links (Linux 6.15 on; None when the head has no such
+    directory), whether the path has a device number or a node."""
+    started = time.monotonic()
+    record.update(kernel=os.uname().release, multipath=multipath())
+    if not record["multipath"]:
+        return
+    try:
+        on = enable_vfs_on_nvme(pf, VF_COUNT, hidden_paths=True)
+        functions = {pf: wait_on_nvme(pf, hidden_path=True), **on}
+        record["functions"] = {address: {"controller": found.controller, "path": found.path,
+                                         "head": os.path.basename(found.block)} for address, found in functions.items()}
+        vf = next(iter(on))
+        node, path = on[vf].block, on[vf].path
+        head = os.path.basename(node)
+        head_dir, path_dir = os.path.realpath(f"/sys/block/{head}"), os.path.realpath(f"/sys/block/{path}")
+        rdev = os.stat(node).st_rdev
+        links = (None if not os.path.isdir(f"{head_dir}/multipath") else
+                 {name: os.path.realpath(f"{head_dir}/multipath/{name}")
+                  for name in sorted(os.listdir(f"{head_dir}/multipath"))})
+        record.update(vf=vf, head=head, path=path, head_numbers=f"{os.major(rdev)}:{os.minor(rdev)}",
+                      head_dir=head_dir, path_dir=path_dir, head_multipath_links=links,
+                      path_dev=(Path(path_dir) / "dev").read_text().strip() if (Path(path_dir) / "dev").exists() else None,
+                      path_node=os.path.exists(f"/dev/{path}"))
+        everything = [*functions, *mf]
+        record["before"] = {address: in_use_refusal(address) for address in everything}
+        swap: dict[str, Any] = {}
+        record["swap"] = swap
+        with used_as_swap(node, swap):
+            record["in_use"] = {address: in_use_refusal(address) for address in everything}
+        record["after"] = {address: in_use_refusal(address) for address in everything}
+    finally:
+        if vfs_of(pf):
+            set_num_vfs(pf, 0)
+        record["left"] = {"vfs": vfs_of(pf), "swaps": swap_devices(), "drivers": drivers([pf, *mf]),
+                          "autoprobe": (PCI_DEVICES / pf / "sriov_drivers_autoprobe").read_text().strip(),
+                          "block": sorted(os.listdir("/sys/block"))}
+        record["seconds"] = round(time.monotonic() - started, 3)
+
+
 def run(share: Path) -> None:
     report: dict[str, Any] = {"errors": []}
     result = share / "result.json"
@@ -375,6 +482,13 @@ def run(share: Path) -> None:
     mf = functions_below(topology["multifunction"]["address"])
     setup: dict[str, Any] = {"pf": pf, "mf": mf}
     report["setup"] = setup
+    in_use: dict[str, Any] = {}
+    setup["multipath_in_use"] = in_use
+    try:
+        multipath_in_use(pf, mf, in_use)
+    finally:
+        save()
+    say(f"native multipath, {in_use.get('head')} as swap: {in_use.get('in_use')}")
     started = time.monotonic()
     reload_nvme_without_multipath()
     setup["reload_s"] = round(time.monotonic() - started, 3)
