@@ -260,6 +260,22 @@ async def test_the_kubelets_unprepare_of_a_claim_left_pending_gives_its_function
     assert rig.checkpoint() == [] and rig.book.holders() == {}
 
 
+async def test_the_kubelets_retry_of_a_claim_left_pending_keeps_every_functions_own_driver(rig: Rig) -> None:
+    """The kubelet asks again for the claim whose Prepare and giving back both failed: the
+    group goes over whole, the checkpoint still has each function's own driver (the first one
+    is on vfio-pci already, the second on none), and Unprepare puts every function back on nvme."""
+    await _left_half_moved(rig)
+    rig.preparer._loans.announce("the failed Prepare")  # as its take() had
+    ref = rig.claim(1, (NVME, MULTI[0]), config=vfio_config())
+    assert (await rig.prepare(ref)).error is None
+    assert rig.drivers(*MULTI) == ["vfio-pci"] * 3
+    (entry,) = rig.checkpoint()
+    assert sorted((p["part"], p["driver"]) for loan in entry["loans"] for p in loan["parts"]) == [
+        (address, "nvme") for address in MULTI]
+    assert await rig.preparer.unprepare([ref]) == {uid(1): None}
+    assert rig.drivers(*MULTI) == ["nvme"] * 3 and rig.checkpoint() == []
+
+
 async def test_a_claim_left_pending_whose_resourceclaim_is_gone_is_given_back_by_the_sweep(rig: Rig) -> None:
     loan = Loan("pci", NVME, MULTI[0], tuple((address, "nvme") for address in MULTI))
     await rig.book.add(_pending(loan))

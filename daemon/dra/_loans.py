@@ -154,9 +154,24 @@ class ClaimLoans:
                 loan = hooks.lender.plan_loan(pool, device.device_id)
             except (AllocationError, OSError) as error:
                 raise ClaimRefused(f"{ref.label}: {_named(device)} cannot go to vfio-pci: {error}") from error
-            homes = self._homes(loan.handler)  # a part lent already (a Prepare whose giving back failed)
-            loans.append(replace(loan, parts=tuple((part, homes.get(part, driver)) for part, driver in loan.parts)))
+            loans.append(replace(loan, parts=self._with_earlier_loan(ref, loan)))
         return tuple(loans)
+
+    def _with_earlier_loan(self, ref: ClaimRef, loan: Loan) -> tuple[tuple[str, str | None], ...]:
+        """``loan``'s parts with their own drivers where the book lent them already, and the
+        parts this claim's pending entry (a Prepare whose giving back failed; the reservation
+        of this Prepare hides it from ``claims``) left on vfio-pci, which the plan of the host
+        as it is now does not see: they are this loan's to give back too."""
+        earlier = self._book.written(ref.uid)
+        earlier_loans = [other for other in earlier.loans if other.handler == loan.handler] if earlier else []
+        homes = self._homes(loan.handler)
+        for other in earlier_loans:
+            homes.update(other.parts)
+        parts = {part: homes.get(part, driver) for part, driver in loan.parts}
+        for other in earlier_loans:
+            if (other.resource, other.device_id) == (loan.resource, loan.device_id):
+                parts.update((part, home) for part, home in other.parts if part not in parts)
+        return tuple(sorted(parts.items()))
 
     def check(self, ref: ClaimRef, wanted: Wanted, loans: Sequence[Loan]) -> None:
         """(worker thread) ClaimRefused naming the device, the function and why it may not leave
