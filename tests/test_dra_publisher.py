@@ -502,6 +502,28 @@ async def test_slices_wiped_by_the_kubelet_are_published_again(api: ApiServer, k
         await wait_published(api, "things", ids(300))
 
 
+async def test_a_slice_wiped_between_our_view_and_our_update_is_made_again_at_once(
+        api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The kubelet's wipe lands between the publisher's view and its PUT: the 404 is followed by a
+    create of the slice (no resourceVersion: the server refuses one on a create), not an error."""
+    wiped: list[str] = []
+
+    class WipedUnderUs(Kube):
+        def replace_slice(self, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
+            if not wiped:
+                wiped.append(name)
+                api.delete_slice(name)
+            return super().replace_slice(name, body)
+
+    async with publishing(kubeconfig, connect=lambda settings: WipedUnderUs.connect(settings.kubeconfig)) as running:
+        await running.settle(tree(pool("things", ids(2))))
+        await wait_published(api, "things", ids(2))
+        running.pools.offer(tree(pool("things", ids(3))))
+        await wait_published(api, "things", ids(3))
+    assert wiped and [r.status for r in api.requests if r.method == "POST"] == [201, 201]
+    assert errors(caplog) == []
+
+
 def lists(api: ApiServer) -> int:
     return sum(1 for r in api.requests if r.path == SLICES_PATH and r.method == "GET" and "watch" not in r.query)
 

@@ -356,8 +356,9 @@ class SlicePublisher:
             except Conflict:
                 self._metrics.dra_slice_conflicts.inc()
                 current = await self._read_again(kube, name)
-            except NotFound:
+            except NotFound:  # deleted meanwhile (a kubelet's wipe): made again under its name
                 current = None
+                body["metadata"].pop("resourceVersion", None)  # a create carries none
             self._view.read_again(name, current)
         else:
             raise KubeError(f"ResourceSlice {body['metadata'].get('name')}: still in conflict after "
