@@ -281,6 +281,8 @@ async def _serve(
                 await active_part_ended.wait()
                 for book in (leases.book, claims.book):  # whole in the one file an earlier devplugd reads
                     await book.settle()
+                    if passive:  # a call still in flight past the drain writes nothing once the lock goes
+                        book.seal(f"this devplugd has handed over to {handover.requester}")
                 if passive:
                     hand_over_shared()  # the metrics port and the lock, once nothing of ours writes
                     handover.answer = {"handed_over": True, "message": f"{instance_name(settings.pod_uid)} is passive"}
@@ -333,7 +335,8 @@ async def _stop_writing(handover: Handover, host_gate: WriteGate, dra: DraDriver
     if dra.sockets is not None:
         drained = await dra.sockets.go_passive(reason) and drained
     if not drained:
-        log.warning("calls still in flight after %.0f s: handing over all the same", DRAIN_TIMEOUT)
+        log.warning("calls still in flight: handing over all the same (what they would write to the books is "
+                    "refused)")
 
 
 async def _announce_ready(loop: EventLoop, endpoints: Endpoints, settings: Settings, service: ServiceManager) -> None:

@@ -184,3 +184,18 @@ def test_settling_leaves_the_newest_in_slot_a_alone(tmp_path: Path, writes: int)
     assert json.loads((tmp_path / "book.json").read_text())["claims"] == [f"write {writes - 1}"]
     slots.write(document("after"))  # the next start's first write: slot b again
     assert TwinSlots(tmp_path / "book.json").read().path == tmp_path / "book.b.json"
+
+
+async def test_a_sealed_book_writes_nothing_and_what_asked_holds_nothing(tmp_path: Path) -> None:
+    """An instance that handed over seals its books before the lock goes: a Prepare still in
+    flight past the drain may not write the file the next instance now owns."""
+    book = loaded(tmp_path)
+    await book.add(claim(UID_A, "a"))
+    written = {path.name: path.read_bytes() for path in tmp_path.iterdir()}
+    book.book.seal("this devplugd has handed over to pod-2")
+    with pytest.raises(OSError, match="handed over to pod-2"):
+        await book.add(claim(UID_B, "b"))
+    with pytest.raises(OSError, match="handed over to pod-2"):
+        await book.remove(UID_A)
+    assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == written
+    assert set(book.claims) == {UID_A} and UID_B not in {h.detail for h in book.holders().values()}

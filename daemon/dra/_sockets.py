@@ -63,7 +63,9 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth")
 STOP_GRACE = 0.2
 PLUGIN_DIR_MODE = 0o750
-DRAIN_TIMEOUT = 10.0  # a handover waits this long at most for the prepares and unprepares in flight
+# a handover waits this long at most for the prepares and unprepares in flight: a Prepare's own
+# bounds (its claim's GET 10 s, a function's bind to vfio-pci 10 s each) under the kubelet's 45 s
+DRAIN_TIMEOUT = 60.0
 
 
 class _WireMessage(Protocol):

@@ -73,6 +73,7 @@ class DurableBook(Generic[T]):
         self._changes = 0  # any change to what the book holds: reservations, writes, the lost state
         self._holders: tuple[int, Mapping[DeviceKey, Holder]] | None = None  # (at _changes, holders)
         self._lost: LostBook | None = None
+        self._sealed = ""  # why nothing is written any more (``seal``)
         self._notify_delay: float | None = None  # while defer_changes runs
         self._notify_due = False
         self._notify_wakeup = trio.Event()
@@ -280,6 +281,12 @@ class DurableBook(Generic[T]):
                             "that writes one file) would read it one write behind", self._book, self._path, error,
                             extra={"EVENT": f"{self._book}-book"})
 
+    def seal(self, reason: str) -> None:
+        """Nothing is written from now on (an instance handing over: the next one's file once
+        the lock goes); a write that comes later fails with OSError naming ``reason``, so what
+        asked for it is refused and holds nothing."""
+        self._sealed = reason
+
     def _document(self, records: Mapping[str, T]) -> dict[str, Any]:
         return {"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]}
 
@@ -287,6 +294,8 @@ class DurableBook(Generic[T]):
         """(worker thread) ``before`` first."""
         if before is not None:
             before()
+        if self._sealed:
+            raise OSError(f"not writing {self._path}: {self._sealed}")
         if self._lost is not None and self._lost.moved_to is None and self._slots.existing():
             # the unreadable file is still there: writing over it would lose what it holds
             raise OSError(f"not overwriting {self._path}: {self._lost}")
