@@ -524,6 +524,23 @@ async def test_a_slice_wiped_between_our_view_and_our_update_is_made_again_at_on
     assert errors(caplog) == []
 
 
+async def test_a_new_generation_the_server_refuses_part_of_leaves_the_pool_as_it_was_complete(
+        api: ApiServer, kubeconfig: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """200 devices grow to 300: the first slices of the new generation are written, the third is
+    refused (422). The pool would be incomplete, its 200 devices unallocatable too: the devices the
+    server took last are written again at the next generation, and the 300 not tried again."""
+    async with publishing(kubeconfig) as running:
+        await running.settle(tree(pool("things", ids(200))))
+        assert await wait_published(api, "things", ids(200)) == 1
+        api.fail_next("POST", SLICES_PATH + "$", 422, message="ResourceSlice.resource.k8s.io is invalid: injected")
+        await running.settle(tree(pool("things", ids(300))))
+        assert await wait_published(api, "things", ids(200)) == 3  # 2 refused in part, 3 as it was
+        requests = len(api.requests)
+        await running.settle(tree(pool("things", ids(300))))
+        assert [r for r in api.requests[requests:] if r.method != "GET"] == []
+    assert [m for m in errors(caplog) if "the devices it took last are written again" in m]
+
+
 def lists(api: ApiServer) -> int:
     return sum(1 for r in api.requests if r.path == SLICES_PATH and r.method == "GET" and "watch" not in r.query)
 

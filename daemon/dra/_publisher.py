@@ -41,7 +41,7 @@ from daemon.supervise import Backoff
 
 from ._gates import Fallbacks, dropped_gates
 from ._kube import ApiLink, Conflict, Invalid, Kube, KubeError, NotFound
-from ._slices import MAX_DEVICES_PER_SLICE, replacements, slice_bodies, slice_body, slice_updates
+from ._slices import MAX_DEVICES_PER_SLICE, placed, replacements, slice_bodies, slice_body, slice_updates
 from ._taints import TaintCounts, TaintTimes
 from ._view import Complaints, JsonObject, SliceView, Written, slice_index, versions_of
 
@@ -246,12 +246,15 @@ class SlicePublisher:
         return slice_bodies(driver=self._driver, node_name=self._node, node_uid=self._node_uid,
                             pool_name=pool, generation=generation, devices=devices, max_devices=max_devices)
 
-    async def _write_pool(self, kube: Kube, pool: str, devices: list[JsonObject], max_devices: int) -> bool:
+    async def _write_pool(self, kube: Kube, pool: str, devices: list[JsonObject], max_devices: int,
+                          refused: bool = False) -> bool:
         """Publish ``devices`` as the pool's slices; whether the server took them. In place when
         the change fits the slices there are (``slice_updates``: only the slices that change are
         written, at the generation they have, so the pool stays complete and allocatable
         throughout); else at the next generation, every slice written back to back and the
-        slices the new generation does not need deleted only once it is complete."""
+        slices the new generation does not need deleted only once it is complete. A generation
+        the server refuses part of leaves the pool incomplete: the devices it took last are
+        written again at the next one (``refused``: this is that write)."""
         existing = self._view.slices_of(pool)
         existing_versions = versions_of(existing)
         written = self._written.get(pool)
@@ -276,26 +279,20 @@ class SlicePublisher:
             generation = max([*generations, written.generation if written is not None else 0]) + 1
             bodies = self._bodies(pool, generation, devices, max_devices)
             count = len(bodies)
-            # Each body goes into the slice whose name has its index (so the names keep sorting
-            # in slice order, which is the allocator's order); any other slice is obsolete.
-            placed: dict[int, JsonObject] = {}
-            obsolete = []
-            for item in existing:
-                index = slice_index(item["metadata"]["name"])
-                if index is None or index >= len(bodies) or index in placed:
-                    obsolete.append(item)
-                else:
-                    placed[index] = item
-            writes = [(body, placed.get(index)) for index, body in enumerate(bodies)]
+            writes, obsolete = placed(existing, bodies)
         try:
             names, dropped = await self._write_slices(kube, writes)
             await self._delete_slices(kube, obsolete)  # once the new generation is complete
         except Invalid as error:
+            again = updates is None and written is not None and not refused  # the pool it was, complete again
             log.error("DRA: the API server refused pool %s (generation %d, %d devices in %d slices): %s; causes: %s; "
-                      "not tried again until its devices change", pool, generation, len(devices), count,
-                      error, "; ".join(error.causes) or "none given", extra={"EVENT": "dra", "DRA_POOL": pool})
-            self._rejected[pool] = devices
+                      "not tried again until its devices change%s", pool, generation, len(devices), count, error,
+                      "; ".join(error.causes) or "none given", "; the devices it took last are written again"
+                      if again else "", extra={"EVENT": "dra", "DRA_POOL": pool})
+            self._rejected.setdefault(pool, devices)  # the devices refused first, not those written again
             self._metrics.dra_slice_write_failures.labels("refused").inc()
+            if again and written is not None:
+                await self._write_pool(kube, pool, written.devices, max_devices, refused=True)
             return False
         slices = {name: held[name] if held is not None else item["spec"].get("devices") or []
                   for name, item in by_name.items()} if updates is not None else {}

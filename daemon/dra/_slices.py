@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from ._view import JsonObject, slice_index
+
 API_VERSION = "resource.k8s.io/v1"
 MAX_DEVICES_PER_SLICE = 128  # ResourceSliceMaxDevices
 # ResourceSliceMaxDevicesWithAdvancedFeatures: a slice holding any taint or shared device
@@ -164,3 +166,19 @@ def replacements(previous: Sequence[Mapping[str, Any]], devices: Sequence[Mappin
             return None
         kept[position] = new
     return {slice_name: kept for slice_name, kept in updates.items() if kept != held[slice_name]}
+
+
+def placed(existing: Sequence[JsonObject], bodies: Sequence[JsonObject],
+           ) -> tuple[list[tuple[JsonObject, JsonObject | None]], list[JsonObject]]:
+    """A new generation's ``bodies``, each with the slice it goes into (``None``: a new one): the
+    one whose name has its index, so the names keep sorting in slice order (the allocator's);
+    and the slices it does not need, to delete once it is complete."""
+    into: dict[int, JsonObject] = {}
+    obsolete = []
+    for item in existing:
+        index = slice_index(item["metadata"]["name"])
+        if index is None or index >= len(bodies) or index in into:
+            obsolete.append(item)
+        else:
+            into[index] = item
+    return [(body, into.get(index)) for index, body in enumerate(bodies)], obsolete
