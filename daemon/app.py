@@ -51,6 +51,7 @@ from daemon.deviceplugin import Endpoints, directory_problem
 from daemon.dra import ClaimBook, DraDriver
 from daemon.holdings import Handover, Holdings, StateLock, WriteGate, become_active, instance_name
 from daemon.host import Granter, HostServicer, LeaseBook, serve_control_socket
+from daemon.hostcheck import log_host_problems
 from daemon.loop import EventLoop
 from daemon.metrics import Metrics, MetricsServer, without_created_series
 from daemon.nfd import NfdFeatures
@@ -123,6 +124,7 @@ def run(settings: Settings) -> int:
         return EXIT_BAD_CONFIG
     for warning in config.warnings:
         log.warning("config %s: %s", config.source, warning)
+    log_host_problems(handlers, config)  # as at each reload, below
     log.info("config %s: %d pools", config.source, len(config.pools))
     lock = StateLock(settings.state_dir, instance_name(settings.pod_uid))
     try:
@@ -214,8 +216,8 @@ async def _serve(
     labels = NfdFeatures(settings.nfd_features_dir)
     parsers = parser_table(handlers)  # a reload is validated by the handlers that serve it
 
-    def reload_config() -> DaemonConfig:
-        return load_config(settings.config_path, settings.resource_prefix, parsers)
+    def reload_config() -> DaemonConfig:  # what the host lacks for it is said, as at start
+        return log_host_problems(handlers, load_config(settings.config_path, settings.resource_prefix, parsers))
 
     async with trio_asyncio.open_loop():
         notifier = Notifier()

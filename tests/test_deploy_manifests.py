@@ -1,6 +1,7 @@
 """deploy/ against the Kubernetes API's own schemas (kubernetes-validate's, strict: unknown
 fields refused) and against the daemon it deploys: its version, its config loader, the host
-paths its settings default to, its metrics address."""
+paths its settings default to, its metrics address; and the DaemonSet as the component
+deploy/vfio-on-demand makes it (docs/passthrough.md, "Enabling it")."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import yaml
 
 from daemon import __version__, app
 from daemon.dra._deviceclasses import rbac_objects
+from daemon.handlers.pci._enablement import WRITTEN
 from daemon.settings import Settings
 from tests.daemonrun import REPO_ROOT
 
@@ -205,3 +207,102 @@ def test_container_is_unprivileged() -> None:
     assert context["allowPrivilegeEscalation"] is False
     assert context["readOnlyRootFilesystem"] is True
     assert context["capabilities"]["drop"] == ["ALL"]
+
+
+# -- the vfioOnDemand component (docs/passthrough.md, "Enabling it") ----------------------------
+
+COMPONENT = DEPLOY / "vfio-on-demand"
+
+
+def _patched(document: Manifest, operations: list[Manifest]) -> Manifest:
+    """``document`` with the JSON patch (RFC 6902) ``operations`` applied: its ``test`` and
+    ``add`` operations, all the component uses (any other fails here)."""
+    patched = copy.deepcopy(document)
+    for operation in operations:
+        *parents, last = [part.replace("~1", "/").replace("~0", "~") for part in operation["path"].split("/")[1:]]
+        target = patched
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if operation["op"] == "test":
+            found = target[int(last)] if isinstance(target, list) else target[last]
+            assert found == operation["value"], f"{operation['path']} is {found!r}, not {operation['value']!r}"
+        elif operation["op"] == "add" and isinstance(target, list):
+            target.insert(len(target) if last == "-" else int(last), copy.deepcopy(operation["value"]))
+        elif operation["op"] == "add":
+            target[last] = copy.deepcopy(operation["value"])
+        else:
+            raise AssertionError(f"{operation['op']} {operation['path']}: not an operation the component may use")
+    return patched
+
+
+def vfio_daemonset() -> Manifest:
+    """The DaemonSet as an overlay with the component makes it (kustomize: its one patch, on the
+    DaemonSet it targets)."""
+    (component,) = _load(str(COMPONENT.relative_to(DEPLOY) / "kustomization.yaml"))
+    assert (component["apiVersion"], component["kind"]) == ("kustomize.config.k8s.io/v1alpha1", "Component")
+    (patch,) = component["patches"]
+    daemonset = _one("DaemonSet")
+    assert patch["target"] == {"kind": "DaemonSet", "name": daemonset["metadata"]["name"]}
+    with (COMPONENT / patch["path"]).open(encoding="utf-8") as stream:
+        return _patched(daemonset, yaml.safe_load(stream))
+
+
+def _covering_mount(pod: Manifest, path: Path) -> tuple[Manifest, str | None]:
+    """The container's mount seen at ``path`` (the deepest covering it) and its volume's host path."""
+    (container,) = pod["containers"]
+    host_paths = {volume["name"]: volume["hostPath"]["path"] for volume in pod["volumes"] if "hostPath" in volume}
+    mount = max((mount for mount in container["volumeMounts"] if path.is_relative_to(mount["mountPath"])),
+                key=lambda mount: len(Path(mount["mountPath"]).parts))
+    return mount, host_paths.get(mount["name"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_vfio_on_demand_daemonset_is_a_valid_api_object(version: str) -> None:
+    assert _refusal(vfio_daemonset(), version) is None
+
+
+def test_vfio_on_demand_only_adds_to_the_daemonset() -> None:
+    """Every operation of the patch adds: the base is the one place for everything else."""
+    base, variant = _one("DaemonSet"), vfio_daemonset()
+    base_pod, pod = base["spec"]["template"]["spec"], variant["spec"]["template"]["spec"]
+    (base_container,), (container,) = base_pod["containers"], pod["containers"]
+    for field in ("args", "volumeMounts"):
+        assert container[field][:len(base_container[field])] == base_container[field]
+    assert pod["volumes"][:len(base_pod["volumes"])] == base_pod["volumes"]
+    assert {key: value for key, value in container["securityContext"].items() if key != "appArmorProfile"} == \
+        base_container["securityContext"]
+
+
+def test_vfio_on_demand_makes_writable_the_two_sysfs_subtrees_the_daemon_writes_and_no_more() -> None:
+    pod = vfio_daemonset()["spec"]["template"]["spec"]
+    for part in WRITTEN:
+        path = DEFAULTS.sysfs_root / part
+        mount, host_path = _covering_mount(pod, path)
+        assert (mount["mountPath"], host_path, mount.get("readOnly", False)) == (str(path), str(path), False)
+    for elsewhere in ("kernel", "module", "fs/cgroup", "firmware"):
+        mount, host_path = _covering_mount(pod, DEFAULTS.sysfs_root / elsewhere)
+        assert (mount["mountPath"], host_path, mount.get("readOnly")) == ("/sys", "/sys", True)
+
+
+def test_vfio_on_demand_reads_the_hosts_proc_where_its_proc_root_says() -> None:
+    """The host's mount table (PID 1's) and swaps for the in-use check; its net/ is the daemon's
+    own network namespace, the host's under hostNetwork. Read-only, and no hostPID."""
+    pod = vfio_daemonset()["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (proc_root,) = [arg.removeprefix("--proc-root=") for arg in container["args"] if arg.startswith("--proc-root")]
+    mount, host_path = _covering_mount(pod, Path(proc_root))
+    assert (mount["mountPath"], host_path) == (proc_root, "/proc")
+    assert (mount["readOnly"], mount["recursiveReadOnly"]) == (True, "IfPossible")
+    assert pod["hostNetwork"] is True and "hostPID" not in pod
+
+
+def test_vfio_on_demand_keeps_the_container_unprivileged_and_only_lifts_apparmor() -> None:
+    """Root owns the sysfs files, so writing them takes no capability; the runtime's default
+    AppArmor profile would deny any write under /sys (but the cgroups) whatever the mount says."""
+    (container,) = vfio_daemonset()["spec"]["template"]["spec"]["containers"]
+    context = container["securityContext"]
+    assert context.get("privileged") is not True and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
+    assert context["appArmorProfile"] == {"type": "Unconfined"}
+
+

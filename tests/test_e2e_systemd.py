@@ -44,6 +44,7 @@ from tests.e2e.units import (
     wait_for_journal,
     wait_for_state,
 )
+from tests.uevents import ZramDevices
 from tests.waiting import wait_until
 
 UNIT = "devplugd.service"
@@ -322,6 +323,59 @@ def test_systemctl_reload_applies_a_changed_config(deployment: Deployment, kubel
         deployment.run(["mv", "-T", "/etc/devplugd/.e2e-config", CONFIG])
         deployment.run(["rm", "-rf", "/etc/devplugd-e2e"])
     wait_for_state(container, UNIT, lambda s: s.pair == "active/running", 10, "active/running after restoring")
+
+
+# -- vfioOnDemand's drop-in ------------------------------------------------------------------------
+VFIO_DROP_IN = "/etc/systemd/system/devplugd.service.d/vfio-on-demand.conf"
+PROBE_DROP_IN = "/etc/systemd/system/devplugd.service.d/e2e-sysfs-probe.conf"
+PROBED = "/run/devplugd/e2e-sysfs-probe"  # the unit's RuntimeDirectory: writable in its sandbox
+READ_ONLY_IN_THE_DAEMON = ("from daemon.handlers.pci._enablement import read_only_paths; "
+                           "print(read_only_paths('/sys'))")
+
+
+def test_the_vfio_on_demand_drop_in_lets_the_sandbox_write_sysfs(deployment: Deployment, zram: ZramDevices) -> None:
+    """The example the .deb ships, copied as docs/passthrough.md says: systemd-analyze verify says
+    nothing, and in the unit's sandbox (an ExecStartPre= without `+` runs in it: the daemon's
+    mount namespace, capability bounding set and system call filter) a write to a device
+    attribute under /sys/devices (where driver_override lives; here the mem_limit of a zram
+    device the test makes, not one of the machine's PCI functions) succeeds where the shipped unit
+    gets EROFS; the daemon's own check agrees, from its mount namespace. The container's /sys/bus
+    and /sys/devices are made writable for the test, as
+    a host's are (nspawn mounts them read-only, and their sysfs, the container's network
+    namespace's own, too)."""
+    container = deployment.container
+    attribute = f"/sys/devices/virtual/block/zram{zram.add()}/mem_limit"
+    probe = f"{{ echo 0 > {attribute}; }} 2> {PROBED} && echo wrote > {PROBED}"
+    container.write_text(PROBE_DROP_IN, f"[Service]\nExecStartPre=-/bin/sh -c '{probe}'\n")
+
+    def started() -> tuple[str, str]:
+        """What the probe met, and the sysfs directories the daemon sees read-only."""
+        deployment.run(["systemctl", "daemon-reload"])
+        deployment.restart()
+        pid = unit_state(container, UNIT).main_pid
+        seen = deployment.run(["nsenter", "-t", str(pid), "-m", deployment.python, "-c", READ_ONLY_IN_THE_DAEMON])
+        return container.read_text(PROBED).strip(), seen.stdout.strip()
+
+    try:
+        for subtree in ("/sys/bus", "/sys/devices"):
+            deployment.run(["mount", "-o", "remount,bind,rw", subtree])
+        deployment.run(["mount", "-o", "remount,rw", "/sys/bus"])  # the superblock
+        probed, seen = started()
+        assert probed.endswith("Read-only file system") and seen == "['/sys/bus/pci', '/sys/devices']", (probed, seen)
+
+        deployment.run(["install", "-D", "-m", "0644", "/usr/share/doc/devplugd/examples/vfio-on-demand.conf",
+                        VFIO_DROP_IN])
+        verified = deployment.run(["systemd-analyze", "verify", UNIT], check=False)
+        assert (verified.returncode, verified.stdout + verified.stderr) == (0, "")
+        assert started() == ("wrote", "[]")
+    finally:
+        deployment.run(["rm", "-f", VFIO_DROP_IN, PROBE_DROP_IN])
+        deployment.run(["rmdir", "--ignore-fail-on-non-empty", os.path.dirname(VFIO_DROP_IN)])
+        deployment.run(["mount", "-o", "remount,ro", "/sys/bus"], check=False)
+        for subtree in ("/sys/bus", "/sys/devices"):
+            deployment.run(["mount", "-o", "remount,bind,ro", subtree], check=False)
+        deployment.run(["systemctl", "daemon-reload"])
+        deployment.restart()
 
 
 # -- watchdog ---------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ It carries the contract of Intel's device plugin framework into an event-driven 
 * two optional hints for the event loop, looked up by name: ``fold_may_block(facts, event)``
   (True: fold this event in a worker thread, its reads may wait on the kernel) and
   ``health_step(event)`` (``HEALTH_LOST`` / ``HEALTH_RESTORED`` / ``None``: the loop never folds a
-  restoring event in the batch of a losing one, so every Unhealthy state gets its own tree).
+  restoring event in the batch of a losing one, so every Unhealthy state gets its own tree);
+  and one for loading a config, ``host_problems(pools)`` (what keeps its pools from working on
+  this host, each said as an error at start and at each reload: ``daemon.hostcheck``).
 
 The core finds handlers through the ``devplugd.handlers`` entry-point group and never imports
 one by name.

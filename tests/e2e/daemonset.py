@@ -2,7 +2,8 @@
 
 ``pod_command`` turns the manifest's pod spec into one ``podman run``, field by field: every
 hostPath volume becomes a bind of the same path (below ``node_root``, the node's ``/`` in a test,
-except the host's own ``/sys``, ``/dev`` and ``/run/udev``, which are read), the ConfigMap volume
+except the host's own ``/sys``, ``/dev``, ``/run/udev`` and ``/proc``, and what is below them, which
+are the host's), the ConfigMap volume
 a bind of a directory laid out as the kubelet's atomic writer lays it out (``ConfigMapVolume``),
 an emptyDir a tmpfs, the downward-API env vars their values, ``$(VAR)`` in the args expanded, the
 container's securityContext its podman options, the host network the host's. A field it does not
@@ -28,15 +29,16 @@ import yaml
 from tests.daemonrun import REPO_ROOT
 
 DAEMONSET = REPO_ROOT / "deploy" / "daemonset.yaml"
-# Read from the host itself (read-only in the manifest): a fake of these would need a fake kernel.
-HOST_PATHS = ("/sys", "/dev", "/run/udev")
+# The host's own, and what is below them (the vfio-on-demand component's /sys/bus/pci, /sys/devices
+# and /proc): a fake of these would need a fake kernel.
+HOST_PATHS = ("/sys", "/dev", "/run/udev", "/proc")
 # What the API server and the scheduler use, and the kubelet does not turn into a container option.
 NOT_ON_THE_NODE = {"serviceAccountName", "priorityClassName", "tolerations", "dnsPolicy"}
 POD_FIELDS = NOT_ON_THE_NODE | {"hostNetwork", "terminationGracePeriodSeconds", "containers", "volumes"}
 CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "args", "env", "ports", "livenessProbe", "resources",
                     "securityContext", "volumeMounts"}
 SECURITY_FIELDS = {"runAsUser", "runAsGroup", "privileged", "allowPrivilegeEscalation", "readOnlyRootFilesystem",
-                   "capabilities", "seccompProfile"}
+                   "capabilities", "seccompProfile", "appArmorProfile"}
 MEMORY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
 PROBE_TIMINGS = {"initialDelaySeconds", "periodSeconds", "timeoutSeconds", "failureThreshold", "successThreshold"}
 
@@ -165,6 +167,11 @@ def _security(context: dict[str, Any]) -> list[str]:
     argv += [f"--cap-add={name}" for name in capabilities.get("add", [])]
     if context.get("seccompProfile", {}).get("type", "RuntimeDefault") != "RuntimeDefault":
         raise UnknownField(f"seccompProfile {context['seccompProfile']}")
+    apparmor = context.get("appArmorProfile", {}).get("type", "RuntimeDefault")
+    if apparmor == "Unconfined":
+        argv += ["--security-opt", "apparmor=unconfined"]
+    elif apparmor != "RuntimeDefault":
+        raise UnknownField(f"appArmorProfile {context['appArmorProfile']}")
     return argv
 
 
@@ -177,7 +184,7 @@ def _volumes(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]], node_r
         if "hostPath" in volume:
             _only(volume["hostPath"], {"path", "type"}, f"volume {volume['name']}: hostPath")
             path, kind = volume["hostPath"]["path"], volume["hostPath"].get("type", "")
-            if path in HOST_PATHS and os.path.exists(path):
+            if any(path == host or path.startswith(host + "/") for host in HOST_PATHS) and os.path.exists(path):
                 sources[volume["name"]] = path
                 continue
             on_node = node_root / path.lstrip("/")
@@ -201,7 +208,10 @@ def _volumes(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]], node_r
             raise UnknownField(f"volume {volume['name']}: {sorted(volume)}")
     by_name = {volume["name"]: volume for volume in volumes}
     for mount in mounts:
-        _only(mount, {"name", "mountPath", "readOnly"}, f"volumeMount {mount['name']}")
+        _only(mount, {"name", "mountPath", "readOnly", "recursiveReadOnly"}, f"volumeMount {mount['name']}")
+        if mount.get("recursiveReadOnly", "Disabled") not in ("Disabled", "IfPossible"):
+            raise UnknownField(f"volumeMount {mount['name']}: recursiveReadOnly {mount['recursiveReadOnly']}")
+        # IfPossible: plain read-only where the runtime cannot do better, as this podman (4.3) cannot
         source = sources[mount["name"]]
         if source:
             argv += ["--volume", f"{source}:{mount['mountPath']}:{'ro' if mount.get('readOnly') else 'rw'}"]

@@ -54,6 +54,7 @@ from ._allocation import (
 from ._attributes import pci_attributes
 from ._devinfo import DevinfoFiles
 from ._discovery import pci_devpath, read_vfio_binding, scan_pci
+from ._enablement import read_only_problem, refuse_if_read_only
 from ._explain import explain as explain_function
 from ._explain import why_empty as why_pool_empty
 from ._facts import PciFacts
@@ -264,6 +265,8 @@ class PciHandler:
         return plan(self._sysfs_root, self.name, pool.resource, device_id, pool.devices[device_id])
 
     def check_loan(self, loan: Loan) -> None:
+        if loan.parts:  # before anything is checkpointed or written (_enablement.py)
+            refuse_if_read_only(self._sysfs_root, loan.parts[0][0])
         check(self._sysfs_root, self._proc_root, loan)
 
     def lend(self, pool: ResourcePool, loan: Loan, backend: str) -> DeviceInfo:
@@ -274,6 +277,12 @@ class PciHandler:
 
     def give_back(self, loan: Loan) -> None:
         give_back(self._sysfs_root, loan)
+
+    # The host_problems hint (daemon/hostcheck.py), said at start and at each reload: vfioOnDemand
+    # pools on a host whose sysfs is read-only for us (_enablement.py).
+    def host_problems(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> list[str]:
+        problem = read_only_problem(self._sysfs_root, [pool.resource for pool in pools if pool.spec.vfio_on_demand])
+        return [problem] if problem is not None else []
 
     # PoolLifecycle: device-info files are cleaned when pools start and stop, as upstream does.
     def pools_started(self, pools: Sequence[ConfiguredPool[PciPoolSpec]]) -> None:

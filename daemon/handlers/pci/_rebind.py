@@ -58,6 +58,7 @@ from ._allocation import (
     with_vfio_binding,
 )
 from ._discovery import read_default_route_interfaces, read_vfio_binding, vfio_cdev_of
+from ._enablement import write_failure_hint
 from ._facts import PciDevice
 from ._groups import functions_beside
 from ._inuse import check_unused, mounted_devices
@@ -183,12 +184,14 @@ def _write(path: str, text: str, address: str) -> None:
     try:
         descriptor = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     except OSError as error:
-        raise AllocationError(f"{address}: cannot open {path}: {error.strerror or error}") from error
+        raise AllocationError(f"{address}: cannot open {path}: {error.strerror or error}"
+                              + write_failure_hint(error)) from error
     try:
         os.write(descriptor, text.encode())
     except OSError as error:
         shown = text.strip() or "a new line"
-        raise AllocationError(f"{address}: writing {shown!r} to {path} failed: {error.strerror or error}") from error
+        raise AllocationError(f"{address}: writing {shown!r} to {path} failed: {error.strerror or error}"
+                              + write_failure_hint(error)) from error
     finally:
         os.close(descriptor)
 
