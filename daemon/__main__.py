@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (listing, watch, allocate, release, leases, clear, explain):
         sub.add_argument("--control-socket", type=Path, default=DEFAULTS.control_socket, help=socket_help)
 
+    active = commands.add_parser(
+        "active", help="exit 0 if this pod's devplugd (--pod-uid) is the active instance of the state directory, "
+        "1 if not, saying why (a DaemonSet's readiness: a rolling update's new pod is Ready once it took over)")
+    active.add_argument("--state-dir", type=Path, default=DEFAULTS.state_dir, help="(default: %(default)s)")
+    active.add_argument("--pod-uid", default=os.environ.get("POD_UID") or None,
+                        help="the pod devplugd runs in (default: $POD_UID)")
+
     check = commands.add_parser("check-config", help="validate a config file: exit 0 if valid, 2 if not")
     check.add_argument("path", type=Path)
     check.add_argument("--resource-prefix", default=DEFAULTS.resource_prefix, help="(default: %(default)s)")
@@ -100,6 +107,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _explain_without_daemon(arguments)
     if arguments.command in CLIENT_COMMANDS:
         return _client_command(arguments)
+    if arguments.command == "active":
+        from daemon.holdings import not_active_here
+
+        if (why := not_active_here(arguments.state_dir, arguments.pod_uid)) is not None:
+            print(f"devplugd: not active: {why}", file=sys.stderr)
+            return 1
+        return 0
     from daemon import app  # after argument parsing, so --help and --version stay fast
 
     if arguments.command == "check-config":

@@ -198,6 +198,8 @@ def test_a_rolling_update_starts_the_new_pod_before_the_old_one_goes_and_names_i
     assert "ports" not in container and not any("hostPort" in str(c) for c in _pod()["containers"])
     fields = {env["name"]: env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for env in container["env"]}
     assert fields.get("POD_UID") == "metadata.uid"
+    # Ready once it is the active instance: the old pod is stopped only after the handover
+    assert container["readinessProbe"]["exec"]["command"] == ["/usr/bin/devplugd", "active"]
     assert not any(arg.startswith("--pod-uid") for arg in container["args"])  # $POD_UID is the default
 
 

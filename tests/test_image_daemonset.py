@@ -136,6 +136,16 @@ def test_the_liveness_probe_answers_and_metrics_count_the_pool(pod: Pod) -> None
     assert f'devplugd_pool_devices{{resource="{TUN}"}} 2.0' in text
 
 
+def test_the_readiness_probe_says_ready_once_the_pod_is_the_active_instance(pod: Pod) -> None:
+    """The probe as the kubelet runs it (in the container, its environment: POD_UID): this pod's
+    devplugd holds the state directory, and a pod of another UID would not be ready."""
+    pod.kubelet.wait_for_devices(TUN, 2, timeout=60)
+    ready = pod.podman("exec", pod.name, *pod.command.readiness, check=False)
+    assert ready.returncode == 0, ready.stderr
+    other = pod.podman("exec", "--env", "POD_UID=another-pod", pod.name, *pod.command.readiness, check=False)
+    assert other.returncode == 1 and "is active, not this pod's devplugd" in other.stderr, other.stderr
+
+
 def test_the_container_is_root_with_only_net_admin_no_new_privileges_and_a_read_only_root(
         pod: Pod, request: pytest.FixtureRequest) -> None:
     status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pod.pid}/status").read_text().splitlines()

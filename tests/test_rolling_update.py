@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from daemon._generated.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from daemon.settings import rolling_update_registration_socket_name
 from tests.apiserver import ApiServer
 from tests.books import book_document
-from tests.daemonrun import DaemonProcess, control_cli, wait_for_control
+from tests.daemonrun import DaemonProcess, control_cli, daemon_command, wait_for_control
 from tests.fakesysfs import FakeHost
 from tests.kubelet import FakeKubelet
 from tests.seam import Seam, create_vfs
@@ -55,6 +56,13 @@ def start_pod(run_daemon: Callable[..., DaemonProcess], seam: Seam, api: ApiServ
                               "--dra-plugin-dir", str(short_tmp / "plugins"), "--kubeconfig", str(kubeconfig), *uid)
         return dra_daemon(run_daemon, seam, short_tmp, config(), "--kubeconfig", str(kubeconfig), *uid)
     return start
+
+
+def ready(short_tmp: Path, pod_uid: str) -> tuple[int, str]:
+    """``devplugd active`` as the DaemonSet's readiness probe runs it in the pod ($POD_UID)."""
+    done = subprocess.run(daemon_command("active", "--state-dir", str(short_tmp / "state")), capture_output=True,
+                          text=True, timeout=30, env={**os.environ, "POD_UID": pod_uid})
+    return done.returncode, done.stderr
 
 
 def lease_book(short_tmp: Path) -> dict[str, Any]:
@@ -85,6 +93,7 @@ def test_a_rolling_update_hands_the_state_to_the_new_pod_and_keeps_a_plugin_regi
     vfs = create_vfs(host, None, 0, 4)
     old = start_pod(UID_A)
     dra_kubelet.wait_for_dra(DRIVER)
+    assert ready(short_tmp, UID_A) == (0, "") and ready(short_tmp, UID_B)[0] == 1  # the DaemonSet's readiness
     wait_published(api, names(*vfs))
     dra_kubelet.wait_for_devices(KVM, 1)
     control = short_tmp / "control.sock"
@@ -95,6 +104,8 @@ def test_a_rolling_update_hands_the_state_to_the_new_pod_and_keeps_a_plugin_regi
 
     new = start_pod(UID_B)  # the surge pod, beside the old one
     new.wait_for_log("took the state directory")
+    assert ready(short_tmp, UID_B) == (0, "")  # Ready only now: the old pod is stopped only now
+    assert "is active, not this pod's devplugd" in ready(short_tmp, UID_A)[1]
     old.wait_for_log("handed over to devplugd pid")
     assert f"pod {UID_B}" in old.log  # it says to whom
     registry, plugins = short_tmp / "plugins_registry", short_tmp / "plugins" / DRIVER

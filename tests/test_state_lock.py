@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from daemon.holdings import Handover, StateLock, WriteGate, WritesClosed, request_handover
+from daemon.holdings import (
+    Handover,
+    StateLock,
+    WriteGate,
+    WritesClosed,
+    instance_name,
+    not_active_here,
+    request_handover,
+)
 from tests.waiting import wait_until_async
 
 
@@ -97,3 +105,16 @@ async def test_a_handover_request_is_answered_once_the_state_is_handed_over(tmp_
     assert answers == [{"handed_over": True, "message": "passive"}]
     assert not (tmp_path / "handover.sock").exists()  # a passive instance takes no more requests
     assert await request_handover(tmp_path, "another") is None
+
+
+def test_active_here_is_the_lock_holders_pod_while_its_process_runs(tmp_path: Path) -> None:
+    lock = StateLock(tmp_path, instance_name("pod-a"))
+    assert "No such file" in (not_active_here(tmp_path, "pod-a") or "")
+    assert lock.try_take()
+    assert not_active_here(tmp_path, "pod-a") is None
+    assert "is active, not this pod's devplugd" in (not_active_here(tmp_path, "pod-b") or "")
+    assert "is active, not this pod's devplugd" in (not_active_here(tmp_path, None) or "")
+    lock.release()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "active.lock").write_text(f"devplugd pid {gone.stdout.strip()} in pod pod-a, since 2026-12-02\n")
+    assert "that process is gone" in (not_active_here(tmp_path, "pod-a") or "")

@@ -19,6 +19,7 @@ from ._active import (
     WritesClosed,
     become_active,
     instance_name,
+    not_active_here,
     request_handover,
     serves,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "claim_asks",
     "holder_of",
     "instance_name",
+    "not_active_here",
     "refusal",
     "request_handover",
     "road_refusal",

@@ -29,6 +29,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import stat
@@ -152,6 +153,34 @@ class StateLock:
 
 def instance_name(pod_uid: str | None) -> str:
     return f"devplugd pid {os.getpid()}" + (f" in pod {pod_uid}" if pod_uid else "")
+
+
+_HOLDER = re.compile(r"devplugd pid (?P<pid>\d+)(?: in pod (?P<pod>[^,\s]+))?, since ")
+
+
+def not_active_here(state_dir: Path, pod_uid: str | None) -> str | None:
+    """Why the devplugd of pod ``pod_uid`` (``None``: of no pod) is not the active instance of
+    ``state_dir``, or ``None``: it is. A pod's readiness (``devplugd active``): the new pod of a
+    rolling update is Ready once it has taken the state over, so the old one is stopped only
+    then. Read from what the holder wrote in the lock file, and whether that process still runs
+    here (a probe runs in the daemon's container, in its PID namespace)."""
+    path = state_dir / LOCK_NAME
+    try:
+        said = path.read_text(errors="replace")
+    except OSError as error:
+        return f"{path}: {error.strerror or error}"
+    holder = _HOLDER.match(said)
+    if holder is None:
+        return f"{path} names no holder ({said.strip()[:80]!r})"
+    if holder["pod"] != pod_uid:
+        return f"{said.strip()} is active, not this pod's devplugd"
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return f"{said.strip()}: that process is gone"
+    except PermissionError:
+        pass  # it runs, as another user
+    return None
 
 
 class Handover:

@@ -35,8 +35,8 @@ HOST_PATHS = ("/sys", "/dev", "/run/udev", "/proc")
 # What the API server and the scheduler use, and the kubelet does not turn into a container option.
 NOT_ON_THE_NODE = {"serviceAccountName", "priorityClassName", "tolerations", "dnsPolicy"}
 POD_FIELDS = NOT_ON_THE_NODE | {"hostNetwork", "terminationGracePeriodSeconds", "containers", "volumes"}
-CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "args", "env", "ports", "livenessProbe", "resources",
-                    "securityContext", "volumeMounts"}
+CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "args", "env", "ports", "livenessProbe", "readinessProbe",
+                    "resources", "securityContext", "volumeMounts"}
 SECURITY_FIELDS = {"runAsUser", "runAsGroup", "privileged", "allowPrivilegeEscalation", "readOnlyRootFilesystem",
                    "capabilities", "seccompProfile", "appArmorProfile"}
 MEMORY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
@@ -99,6 +99,7 @@ class PodCommand:
     env: dict[str, str]       # the container's environment, as the kubelet resolved it
     liveness_url: str         # the liveness probe's httpGet, on the host network
     stop_timeout: int
+    readiness: list[str]      # the readiness probe's command, run in the container
 
 
 def pod_command(spec: dict[str, Any], *, name: str, node_root: Path, config_map: ConfigMapVolume,
@@ -150,7 +151,9 @@ def pod_command(spec: dict[str, Any], *, name: str, node_root: Path, config_map:
     _only(probe, {"path", "port"}, "livenessProbe.httpGet")
     port = ports.get(probe["port"], probe["port"])
     url = f"http://{field_values['status.hostIP']}:{port}{probe['path']}"  # a hostNetwork pod's IP is the node's
-    return PodCommand(argv, env, url, stop_timeout)
+    _only(container["readinessProbe"], {"exec", *PROBE_TIMINGS}, "readinessProbe")
+    _only(container["readinessProbe"]["exec"], {"command"}, "readinessProbe.exec")
+    return PodCommand(argv, env, url, stop_timeout, list(container["readinessProbe"]["exec"]["command"]))
 
 
 def _security(context: dict[str, Any]) -> list[str]:
