@@ -20,15 +20,13 @@ from daemon.holdings import HolderLookup, claim_asks, refusal, road_refusal
 
 from ._claims import AllocationResult, ClaimRef, ClaimRefused
 from ._claimspecs import Chosen
-from ._devices import unhealthy_taint_effect
+from ._devices import SharesOf, unhealthy_taint_effect
 from ._names import device_name, pool_name
 from ._prepared import PreparedClaim, PreparedDevice
 
 log = logging.getLogger("devplugd.dra")
 
 Allocations = list[tuple[list[Chosen], ContainerAllocation]]
-# a pool's shared devices: the shared device's ID -> its shares' IDs (DeviceSharer.shares)
-SharesOf = Callable[[ResourcePool], Mapping[str, Sequence[str]]]
 
 
 def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: Sequence[AllocationResult],

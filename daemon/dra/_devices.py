@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Mapping, MutableSet, Sequence
+from collections.abc import Callable, Mapping, MutableSet, Sequence
 from typing import Any
 
 from daemon.core import AttributeValue, DeviceDescriber, DeviceInfo, Fault, ResourcePool
@@ -117,6 +117,10 @@ class Memo:
         self.entries: dict[str, Remembered] = {}
         self.output: list[dict[str, Any]] = []
         self.position: dict[str, int] = {}
+
+
+# a pool's shared devices: the shared device's ID -> its shares' IDs (``pool_shares``)
+SharesOf = Callable[[ResourcePool], Mapping[str, Sequence[str]]]
 
 
 def pool_shares(hooks_of: Mapping[str, Hooks], pool: ResourcePool) -> Mapping[str, Sequence[str]]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from daemon._generated.drahealth.v1alpha1 import api_pb2 as health
@@ -44,6 +44,7 @@ from daemon.core._tree import DRA_ROAD, DeviceTree
 from daemon.metrics import DRA_HEALTH, Metrics
 from daemon.wire import framed
 
+from ._devices import SharesOf
 from ._names import device_name, pool_name
 
 log = logging.getLogger("devplugd.dra")
@@ -53,8 +54,6 @@ RESEND_INTERVAL = 10.0
 VANISHED_MESSAGE = "the device is no longer on the host"
 
 Entry = tuple["health.HealthStatus", str]  # (HealthStatus, message) of one device
-# a pool's shared devices: the shared device's ID -> its shares' IDs (``pool_shares``)
-SharesOf = Callable[[ResourcePool], Mapping[str, Sequence[str]]]
 
 
 @dataclass(frozen=True, eq=False)

@@ -164,7 +164,7 @@ class ClaimLoans:
         as it is now does not see: they are this loan's to give back too."""
         earlier = self._book.written(ref.uid)
         earlier_loans = [other for other in earlier.loans if other.handler == loan.handler] if earlier else []
-        homes = self._homes(loan.handler)
+        homes = lent_parts(self._book.claims).get(loan.handler, {})
         for other in earlier_loans:
             homes.update(other.parts)
         parts = {part: homes.get(part, driver) for part, driver in loan.parts}
@@ -226,11 +226,6 @@ class ClaimLoans:
                 failures.append(f"{loan.device_id} of {loan.resource}: {error}")
         if failures:
             raise AllocationError("; ".join(failures))
-
-    def _homes(self, handler: str) -> dict[str, str | None]:
-        """The parts of ``handler`` the book has lent, and their own drivers."""
-        return {part: driver for claim in self._book.claims.values() for loan in claim.loans
-                if loan.handler == handler for part, driver in loan.parts}
 
     def announce(self, reason: str) -> None:
         """Tell every Lender the parts the checkpoint (and the claims being added) has lent now:

@@ -236,7 +236,7 @@ class ClaimBook:
     def prepared(self, uid: str) -> PreparedClaim | None:
         """The claim as written to the checkpoint, or ``None`` (also while it is ``pending``: its
         devices are being taken to vfio-pci, or a failed Prepare could not give them back)."""
-        claim = self._book.on_disk.get(uid)
+        claim = self.written(uid)
         return None if claim is None or claim.pending else claim
 
     def written(self, uid: str) -> PreparedClaim | None:
