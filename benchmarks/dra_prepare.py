@@ -10,7 +10,11 @@ the disk-backed ``/tmp`` (``/var/lib`` in production: the checkpoint's write is 
 write and ``fdatasync``, ``daemon/holdings/_slots.py``).
 
 Each of ``--claims`` rounds (after ``--warmup``) puts a fresh claim on the stand-in (new name and
-UID, one result: request ``vf``, the next VF of the pool in turn), then
+UID, one result: request ``vf``, the next VF of the pool in turn). Every other round makes its
+two calls with grpc-go instead (``benchmarks/_go_kubelet.py``: the kubelet is a grpc-go client,
+the stand-in a Python one, whose own costs are in its figures), timed inside the Go process, over
+the same socket; that is the figure the target is read against (the stand-in's when Go and
+Debian's grpc-go are not installed: the reason is printed). A stand-in round:
 
 1. **prepare**: ``kubelet.prepare([claim])``, timed as the kubelet's gRPC client sees it (the
    stand-in's stub call to its answer, on its loop: ``DraDriverState.call_seconds``), and around
@@ -56,6 +60,7 @@ from benchmarks._common import (
 )
 from benchmarks._common import vf_address as sriov_vf_address
 from benchmarks._events import Seam, clean_up, cpu_by_thread_name, latency_row, revision_line, thread_cpu_ns
+from benchmarks._go_kubelet import GoBuildError, GoKubelet, build
 from benchmarks.dra_common import (
     DRIVER,
     NODE,
@@ -106,6 +111,34 @@ def time_empty_calls(kubelet: FakeKubelet, count: int = 200, gap: float = 0.0) -
         kubelet.unprepare([])
         unprepare.append(seen[-1][1])
     return prepare, unprepare
+
+
+def go_round(go_kubelet: GoKubelet, ref: tuple[str, str, str], device: str, gap: float) -> tuple[float, float] | None:
+    """One round through the Go client: prepare ``ref``, ``gap``, unprepare, ``gap``; the two
+    calls' seconds as grpc-go timed them, or None (printed) when an answer was not the device."""
+    namespace, uid, claim_name = ref
+    prepared, answer = go_kubelet.prepare(ref)
+    claim = (answer.get("claims") or {}).get(uid) or {}
+    devices = [(d.get("poolName"), d.get("deviceName")) for d in claim.get("devices") or ()]
+    time.sleep(gap)
+    unprepared, unprepare_answer = go_kubelet.unprepare(ref)
+    time.sleep(gap)
+    unprepare_error = ((unprepare_answer.get("claims") or {}).get(uid) or {}).get("error")
+    if devices != [(POOL, device)] or "grpcError" in unprepare_answer or unprepare_error:
+        print(f"  unexpected answer (Go client) for {namespace}/{claim_name}: {answer}; unprepare: {unprepare_answer}")
+        return None
+    return prepared, unprepared
+
+
+def time_go_empty_calls(go_kubelet: GoKubelet, count: int = 200, gap: float = 0.0) -> list[float]:
+    """NodePrepareResources of no claims through the Go client, ``gap`` seconds apart."""
+    for _ in range(20):
+        go_kubelet.prepare(None)
+    seconds = []
+    for _ in range(count):
+        time.sleep(gap)
+        seconds.append(go_kubelet.prepare(None)[0])
+    return seconds
 
 
 def time_direct_get(api: StampedApiServer, kubeconfig: Path, count: int = 200,
@@ -212,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     print(revision_line(), flush=True)
     with short_tmp() as base, host_tmp() as host_dir:
         env = dra_bytecode_env(base)
+        go_binary: Path | str
+        try:
+            go_binary = build(base / "go")
+        except GoBuildError as error:
+            go_binary = str(error)
+        go_kubelet: GoKubelet | None = None
+        go_prepare: list[float] = []  # as the Go client (grpc-go, the kubelet's) sees them
+        go_unprepare: list[float] = []
+        go_idle: list[float] = []
         host, _, per_pf = build_dra_host(host_dir / "host", vfs)
         api = StampedApiServer().start()
         api.add_node(NODE)
@@ -227,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             seam.wait_ready(daemon)
             wait_generation(api, daemon, 0, lambda g: len(g.names) == vfs, 60, f"the pool published with {vfs} VFs")
             kubelet.wait_for_dra(DRIVER, timeout=30)
+            if isinstance(go_binary, Path):
+                go_kubelet = GoKubelet(go_binary, kubelet.dra_state(DRIVER).endpoint)
             print(f"driver registered with the kubelet stand-in and the pool published "
                   f"{time.monotonic() - daemon.started_mono:.2f} s after Popen", flush=True)
             time.sleep(0.3)
@@ -253,6 +297,15 @@ def main(argv: list[str] | None = None) -> int:
                 uid = api.put_claim(NAMESPACE, claim_name, results=[
                     {"request": "vf", "driver": DRIVER, "pool": POOL, "device": name}], config=claim_config)
                 ref = (NAMESPACE, uid, claim_name)
+                if go_kubelet is not None and number % 2:  # every other round: the Go client's
+                    seconds = go_round(go_kubelet, ref, name, arguments.gap)
+                    api.delete_claim(NAMESPACE, claim_name)
+                    if seconds is None:
+                        wrong += 1
+                    elif timed:
+                        go_prepare.append(seconds[0])
+                        go_unprepare.append(seconds[1])
+                    continue
                 with api._cond:
                     handled_before = len(api.handled)
                 started = time.monotonic()
@@ -303,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             hop = time_hop(kubelet)
             empty_prepare, empty_unprepare = time_empty_calls(kubelet)
             idle_prepare, _ = time_empty_calls(kubelet, gap=arguments.gap)
+            if go_kubelet is not None:
+                go_idle = time_go_empty_calls(go_kubelet, gap=arguments.gap)
             direct_client, direct_server = time_direct_get(api, base / "kubeconfig")
             idle_get, _ = time_direct_get(api, base / "kubeconfig", gap=arguments.gap)
             code, stop_seconds = daemon.stop()
@@ -312,13 +367,23 @@ def main(argv: list[str] | None = None) -> int:
             report_failure(error)
             return 1
         finally:
-            clean_up(daemon.kill, kubelet.close, api.close, seam.close)
+            clean_up(daemon.kill, kubelet.close, api.close, seam.close,
+                     *([go_kubelet.close] if go_kubelet is not None else []))
         in_place, renamed = time_checkpoint_writes(base)
         metadata_dirs = time_metadata_dirs(base)
 
-    rounds = len(prepare)
-    print(f"\nround trips through the kubelet stand-in ({arguments.warmup} warm-up rounds not counted), as its "
-          "gRPC client sees them:")
+    rounds = len(prepare) + len(go_prepare)
+    if go_prepare:
+        print(f"\nround trips as a grpc-go client (the kubelet's) times them, every other round "
+              f"({arguments.warmup} warm-up rounds not counted):")
+        print(latency_row("NodePrepareResources (1 claim)", go_prepare, width=WIDTH))
+        print(latency_row("NodeUnprepareResources", go_unprepare, width=WIDTH))
+        print(latency_row(f"NodePrepareResources of no claims, {arguments.gap * 1000:g} ms apart", go_idle,
+                          width=WIDTH))
+    else:
+        print(f"\nno grpc-go client: {go_binary}")
+    print(f"\nround trips through the kubelet stand-in{', the other rounds' if go_prepare else ''} "
+          f"({arguments.warmup} warm-up rounds not counted), as its (Python) gRPC client sees them:")
     print(latency_row("NodePrepareResources (1 claim)", prepare, width=WIDTH))
     print(latency_row("NodeUnprepareResources", unprepare, width=WIDTH))
     print("  around the call in this thread (+ the hop into the stand-in's loop and back):")
@@ -348,12 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  daemon CPU per round (prepare, unprepare and the two slice writes): "
           f"{sum(used.values()) / rounds / 1000:.0f} us ({parts} us by thread)")
     print(f"  SIGTERM -> exit {stop_seconds * 1000:.0f} ms, exit code {code}")
-    p50 = percentile(prepare, 50)
+    kubelets_view, whose = (go_prepare, "a grpc-go client's view, as the kubelet's") if go_prepare else (
+        prepare, "the Python stand-in's view")
+    p50 = percentile(kubelets_view, 50)
     print(f"\ntarget: prepare p50 <= {TARGET_PREPARE_P50 * 1000:.0f} ms: p50 {p50 * 1000:.2f} ms, "
-          f"p90 {percentile(prepare, 90) * 1000:.2f} ms, p99 {percentile(prepare, 99) * 1000:.2f} ms "
-          f"({'within target' if p50 <= TARGET_PREPARE_P50 else 'OVER target'}; as the kubelet's gRPC client "
-          f"sees it); around the call in this thread p50 {percentile(prepare_here, 50) * 1000:.2f} ms; unprepare "
-          f"p50 {percentile(unprepare, 50) * 1000:.2f} ms")
+          f"p90 {percentile(kubelets_view, 90) * 1000:.2f} ms, p99 {percentile(kubelets_view, 99) * 1000:.2f} ms "
+          f"({'within target' if p50 <= TARGET_PREPARE_P50 else 'OVER target'}; {whose}); through the Python "
+          f"stand-in p50 {percentile(prepare, 50) * 1000:.2f} ms; unprepare p50 "
+          f"{percentile(go_unprepare or unprepare, 50) * 1000:.2f} ms")
     return 0
 
 
