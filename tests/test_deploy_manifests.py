@@ -169,6 +169,18 @@ def test_host_path_is_the_hosts_in_the_pod(path: Path, writes: bool) -> None:
     assert not (writes and mount.get("readOnly")), f"{path} is mounted read-only"
 
 
+def test_read_only_host_paths_are_read_only_with_what_the_host_mounted_under_them() -> None:
+    """A read-only bind leaves the submounts writable: the host's cgroups and efivars under
+    /sys, its /dev/shm under /dev. Each read-only host path asks for a recursive one."""
+    host_volumes = {volume["name"] for volume in _pod()["volumes"] if "hostPath" in volume}
+    read_only = [mount for mount in _container()["volumeMounts"] if mount["name"] in host_volumes
+                 and mount.get("readOnly")]
+    assert {mount["mountPath"] for mount in read_only} >= {"/sys", "/dev", "/run/udev"}
+    for mount in read_only:
+        assert mount.get("recursiveReadOnly") == "IfPossible", mount["mountPath"]
+        assert mount.get("mountPropagation", "None") == "None", mount["mountPath"]  # what recursive needs
+
+
 def test_config_volume_is_mounted_where_the_daemon_reads_its_config() -> None:
     mounts = {mount["mountPath"]: mount["name"] for mount in _container()["volumeMounts"]}
     assert mounts.get(str(DEFAULTS.config_path.parent)) == "config"
