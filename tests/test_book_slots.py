@@ -197,5 +197,9 @@ async def test_a_sealed_book_writes_nothing_and_what_asked_holds_nothing(tmp_pat
         await book.add(claim(UID_B, "b"))
     with pytest.raises(OSError, match="handed over to pod-2"):
         await book.remove(UID_A)
+    undone: list[str] = []  # an Unprepare's work before the write: its spec, its drivers given back
+    with pytest.raises(OSError, match="handed over to pod-2"):
+        await book.remove(UID_A, before=lambda: undone.append("spec removed, functions given back"))
+    assert undone == []  # the host is the next instance's now: nothing of the claim is undone
     assert {path.name: path.read_bytes() for path in tmp_path.iterdir()} == written
     assert set(book.claims) == {UID_A} and UID_B not in {h.detail for h in book.holders().values()}

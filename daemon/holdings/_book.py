@@ -291,12 +291,14 @@ class DurableBook(Generic[T]):
         return {"version": FORMAT_VERSION, self._list_key: [self._to_json(r) for r in records.values()]}
 
     def _write(self, records: Mapping[str, T], before: Callable[[], None] | None = None) -> None:
-        """(worker thread) ``before`` first."""
-        if before is not None:
-            before()
+        """(worker thread) ``before`` first, once the book may be written: a write refused
+        (sealed, or a lost book's file still there) has done nothing, ``before``'s work neither
+        (an Unprepare's spec removal and driver rebinds on a host another instance now owns)."""
         if self._sealed:
             raise OSError(f"not writing {self._path}: {self._sealed}")
         if self._lost is not None and self._lost.moved_to is None and self._slots.existing():
             # the unreadable file is still there: writing over it would lose what it holds
             raise OSError(f"not overwriting {self._path}: {self._lost}")
+        if before is not None:
+            before()
         self._slots.write(self._document(records))  # it makes the directory with a slot's first write
