@@ -19,16 +19,21 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600, *, durable: boo
 
     ``durable`` adds the fsyncs (file, then directory) that make the new content survive a power
     loss; files on a tmpfs (CDI specs in /var/run) need only the rename. This blocks for as long
-    as the disk takes: callers on the event loop run it in a worker thread."""
+    as the disk takes: callers on the event loop run it in a worker thread. A write that fails
+    (a full disk) leaves ``path`` as it was and no temporary file behind."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
-        write_all(descriptor, data)
-        if durable:
-            os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-    os.rename(temporary, path)
+        try:
+            write_all(descriptor, data)
+            if durable:
+                os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.rename(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     if durable:
         sync_directory(path.parent)
 

@@ -159,17 +159,18 @@ def test_a_book_of_an_earlier_devplugd_is_the_oldest_whatever_sequence_it_says(t
 
 
 def test_a_slot_is_made_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first write of a slot cut short leaves no slot, so the book reads as it was (here:
-    empty), not as a lost book of a torn file."""
+    """The first write of a slot cut short (a full disk) leaves no slot, so the book reads as
+    it was (here: empty), not as a lost book of a torn file, and no temporary file either."""
     def cut_short(descriptor: int, data: bytes) -> None:
         os.write(descriptor, data[:100])
-        raise OSError(errno.EIO, "cut short")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(daemon.files, "write_all", cut_short)
     with pytest.raises(OSError):
         TwinSlots(tmp_path / "book.json").write(document("first"))
     monkeypatch.undo()
     assert TwinSlots(tmp_path / "book.json").existing() == []
+    assert list(tmp_path.iterdir()) == []  # a restart's pid would leave one more each time
     found = TwinSlots(tmp_path / "book.json").read()
     assert (found.document, found.problems) == (None, [])
 
