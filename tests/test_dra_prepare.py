@@ -857,6 +857,23 @@ async def test_lost_checkpoint_still_prepares_a_claim_that_was_prepared_before(n
     assert node.book.prepared(uid(1)) is not None
 
 
+async def test_lost_checkpoint_is_found_again_once_the_old_claims_are_prepared_again(node: Node) -> None:
+    """A claim prepared before the loss and prepared again is in the new checkpoint, its devices
+    known: with none unaccounted for left, new claims are prepared again."""
+    old = node.api.add(claim_json(1, "old", [result(NET, NET_VFS[0])]))
+    await node.prepare_one(old)
+    plant_book(node.state_dir / CLAIMS_FILE, "{ torn")
+    node.restart()
+    await node.preparer.restore()
+    assert node.book.lost is not None
+    assert (await node.prepare_one(old)).error is None  # the kubelet asks again (it restarted)
+    assert node.book.lost is None
+    new = node.api.add(claim_json(2, "new", [result(NET, NET_VFS[1])]))
+    assert (await node.prepare_one(new)).error is None
+    taken = node.api.add(claim_json(3, "taken", [result(NET, NET_VFS[0])]))  # the old claim's still
+    assert "prepared for claim default/old" in ((await node.prepare_one(taken)).error or "")
+
+
 async def test_lost_checkpoint_with_no_claim_specs_left_prepares_as_usual(node: Node) -> None:
     node.state_dir.mkdir()
     (node.state_dir / CLAIMS_FILE).write_text("not json")

@@ -1,6 +1,7 @@
 """With a lost claim checkpoint (it could not be read): the claims whose CDI specs say they were
 prepared before the loss. Nobody knows which devices they hold, so only they may be prepared
-(again) until every one of them is unprepared; then the book is found again.
+(again) until every one of them is accounted for, unprepared or prepared again (its devices in
+the new checkpoint then); then the book is found again.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ class UnaccountedClaims:
                            f"prepared until they are unprepared ({shown})")
 
     def prepared(self, uid: str) -> None:
-        """Claim ``uid`` is in the checkpoint now: accounted for."""
-        if self._uids:
+        """Claim ``uid`` is in the checkpoint now: accounted for (the last: the book is found again)."""
+        if self._uids and uid in self._uids:
             self._uids.discard(uid)
+            self._found_again_if_none_left()
 
     def unprepared(self, ref: ClaimRef) -> None:
         """Claim ``ref`` is unprepared: one fewer unknown (the last: the book is found again)."""
