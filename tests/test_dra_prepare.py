@@ -323,6 +323,19 @@ async def test_one_claim_may_hold_two_shares_of_a_device_and_consume_more_than_o
     assert len(set(names)) == 3 and all(name.startswith(f"{uid(1)}-kvm-") for name in names)
     bad = node.api.add(claim_json(2, "bad", [share(share_id="s-3", consumed="1.5")]))
     assert "consumedCapacity shares '1.5' is not a whole number" in (await node.prepare_one(bad)).error
+    for number, odd in enumerate(("\u00b2", "9" * 5000), start=3):  # a digit to str.isdigit; too long for int()
+        bad = node.api.add(claim_json(number, f"bad-{number}", [share(share_id=f"s-{number}", consumed=odd)]))
+        error = (await node.prepare_one(bad)).error
+        assert error is not None and "is not a whole number of shares" in error and "internal error" not in error
+
+
+async def test_an_exclusive_device_named_with_two_share_ids_is_refused_not_prepared_twice(node: Node) -> None:
+    first, second = result(NET, NET_VFS[0]), result(NET, NET_VFS[0], "other")
+    ref = node.api.add(claim_json(1, "vfs", [{**first, "shareID": "aaaa"}, {**second, "shareID": "bbbb"}]))
+    error = (await node.prepare_one(ref)).error
+    assert error is not None and error.endswith("is named with different share IDs, but it is not shared")
+    assert f"({NET_VFS[0]} of {NET})" in error
+    assert claim_labels(node) == {} and not node.spec_path(uid(1)).exists()
 
 
 async def test_request_names_lose_their_subrequest_and_repeats(node: Node) -> None:

@@ -38,7 +38,7 @@ def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: S
     pools = {pool_name(node, resource): pool for resource, pool in tree.pools.items()}
     names: dict[str, dict[str, str]] = {}  # pool name -> device name -> device ID
     shared: dict[str, dict[str, Sequence[str]]] = {}  # pool name -> shared device's name -> its shares
-    taken: set[tuple[str, str]] = set()  # (resource, share ID) given to this claim already
+    taken: set[tuple[str, str]] = set()  # (resource, device or share ID) given to this claim already
     merged: dict[tuple[str, str, str | None], list[AllocationResult]] = {}
     for result in results:
         merged.setdefault((result.pool, result.device, result.share_id), []).append(result)
@@ -58,6 +58,10 @@ def choose(tree: DeviceTree, node: str, cdi_kind: str, ref: ClaimRef, results: S
             ids = names[pool_label] = {device_name(device_id): device_id for device_id in pool.devices}
         device_id = ids.get(name)
         if device_id is not None:
+            if (pool.resource, device_id) in taken:  # results merge by share ID: two of them here
+                raise ClaimRefused(f"{ref.label}: device {name!r} ({device_id} of {pool.resource}) is named with "
+                                   f"different share IDs, but it is not shared")
+            taken.add((pool.resource, device_id))
             if (why := refusal(pool, device_id, asker, holder)) is not None:
                 raise ClaimRefused(f"{ref.label}: device {name!r} ({device_id} of {pool.resource}) {why.predicate}")
             device_ids = [device_id]

@@ -159,7 +159,7 @@ def _consumed_shares(item: Mapping[str, Any], driver: str, where: str,
     consumed = _object(item.get("consumedCapacity") or {}, f"{where}.consumedCapacity", malformed)
     value = consumed.get(SHARES, consumed.get(f"{driver}/{SHARES}", "1"))
     text = str(value)
-    if not text.isdigit() or int(text) < 1:
+    if not re.fullmatch(r"[0-9]{1,9}", text) or int(text) < 1:  # not '²' (a digit to isdigit), not 10^4300
         raise malformed(f"{where}.consumedCapacity shares {value!r} is not a whole number of shares")
     return int(text)
 
