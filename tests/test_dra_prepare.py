@@ -845,13 +845,19 @@ async def test_unprepare_that_cannot_write_the_checkpoint_keeps_the_device_held(
 # -- a checkpoint that is lost ----------------------------------------------------------------
 
 
-async def test_lost_checkpoint_refuses_new_claims_until_the_old_ones_are_unprepared(node: Node) -> None:
+async def prepared_then_lost(node: Node) -> ClaimRef:
+    """Claim 1 (``old``) prepared, then the checkpoint torn and the daemon restarted: a lost book."""
     old = node.api.add(claim_json(1, "old", [result(NET, NET_VFS[0])]))
     await node.prepare_one(old)
     plant_book(node.state_dir / CLAIMS_FILE, "{ torn")
     node.restart()
     await node.preparer.restore()
     assert node.book.lost is not None
+    return old
+
+
+async def test_lost_checkpoint_refuses_new_claims_until_the_old_ones_are_unprepared(node: Node) -> None:
+    old = await prepared_then_lost(node)
     new = node.api.add(claim_json(2, "new", [result(NET, NET_VFS[0])]))
     refused = (await node.prepare_one(new)).error
     assert refused is not None and refused.startswith(f"claim default/new: not prepared: {node.book.lost}")
@@ -873,12 +879,7 @@ async def test_lost_checkpoint_still_prepares_a_claim_that_was_prepared_before(n
 async def test_lost_checkpoint_is_found_again_once_the_old_claims_are_prepared_again(node: Node) -> None:
     """A claim prepared before the loss and prepared again is in the new checkpoint, its devices
     known: with none unaccounted for left, new claims are prepared again."""
-    old = node.api.add(claim_json(1, "old", [result(NET, NET_VFS[0])]))
-    await node.prepare_one(old)
-    plant_book(node.state_dir / CLAIMS_FILE, "{ torn")
-    node.restart()
-    await node.preparer.restore()
-    assert node.book.lost is not None
+    old = await prepared_then_lost(node)
     assert (await node.prepare_one(old)).error is None  # the kubelet asks again (it restarted)
     assert node.book.lost is None
     new = node.api.add(claim_json(2, "new", [result(NET, NET_VFS[1])]))
