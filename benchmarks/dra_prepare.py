@@ -413,14 +413,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  daemon CPU per round (prepare, unprepare and the two slice writes): "
           f"{sum(used.values()) / rounds / 1000:.0f} us ({parts} us by thread)")
     print(f"  SIGTERM -> exit {stop_seconds * 1000:.0f} ms, exit code {code}")
-    kubelets_view, whose = (go_prepare, "a grpc-go client's view, as the kubelet's") if go_prepare else (
-        prepare, "the Python stand-in's view")
+    kubelets_view, unprepare_view, whose = (
+        (go_prepare, go_unprepare, "a grpc-go client's view, as the kubelet's") if go_prepare
+        else (prepare, unprepare, "the Python stand-in's view"))
     p50 = percentile(kubelets_view, 50)
     print(f"\ntarget: prepare p50 <= {TARGET_PREPARE_P50 * 1000:.0f} ms: p50 {p50 * 1000:.2f} ms, "
           f"p90 {percentile(kubelets_view, 90) * 1000:.2f} ms, p99 {percentile(kubelets_view, 99) * 1000:.2f} ms "
           f"({'within target' if p50 <= TARGET_PREPARE_P50 else 'OVER target'}; {whose}); through the Python "
           f"stand-in p50 {percentile(prepare, 50) * 1000:.2f} ms; unprepare p50 "
-          f"{percentile(go_unprepare or unprepare, 50) * 1000:.2f} ms")
+          f"{percentile(unprepare_view, 50) * 1000:.2f} ms")
     return 0
 
 

@@ -74,7 +74,7 @@ func call(client dra.DRAPluginClient, fields []string) (time.Duration, string) {
 		text, _ := json.Marshal(map[string]string{"grpcError": err.Error()})
 		return took, string(text)
 	}
-	text, _ := protojson.MarshalOptions{Multiline: false}.Marshal(answer)
+	text, _ := protojson.Marshal(answer) // one line: protojson is multiline only when asked
 	return took, string(text)
 }
 
@@ -98,7 +98,7 @@ func main() {
 			fmt.Fprintf(out, "0 {\"grpcError\": \"bad command %q\"}\n", lines.Text())
 		} else {
 			took, answer := call(client, fields)
-			fmt.Fprintf(out, "%d %s\n", took.Nanoseconds(), strings.ReplaceAll(answer, "\n", " "))
+			fmt.Fprintf(out, "%d %s\n", took.Nanoseconds(), answer)
 		}
 		out.Flush()
 	}
