@@ -861,7 +861,8 @@ async def test_lost_checkpoint_refuses_new_claims_until_the_old_ones_are_unprepa
     new = node.api.add(claim_json(2, "new", [result(NET, NET_VFS[0])]))
     refused = (await node.prepare_one(new)).error
     assert refused is not None and refused.startswith(f"claim default/new: not prepared: {node.book.lost}")
-    assert refused.endswith(f"so no other claim is prepared until they are unprepared ({uid(1)})")
+    assert refused.endswith(f"so no other claim is prepared until each of them is unprepared or prepared again "
+                           f"({uid(1)})")
     assert node.spec_path(uid(1)).exists()  # the old claim's spec is kept: its pod may still run
     assert await node.preparer.unprepare([old]) == {uid(1): None}
     assert (await node.prepare_one(new)).error is None

@@ -43,7 +43,7 @@ class UnaccountedClaims:
         shown = ", ".join(sorted(self._uids)[:5]) + (", ..." if len(self._uids) > 5 else "")
         raise ClaimRefused(f"{ref.label}: not prepared: {self._claims.lost}; the devices of the "
                            f"{len(self._uids)} claims prepared before are unknown, so no other claim is "
-                           f"prepared until they are unprepared ({shown})")
+                           f"prepared until each of them is unprepared or prepared again ({shown})")
 
     def prepared(self, uid: str) -> None:
         """Claim ``uid`` is in the checkpoint now: accounted for (the last: the book is found again)."""
