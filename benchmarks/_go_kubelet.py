@@ -1,12 +1,16 @@
-"""The kubelet's side of a DRA call in Go (``benchmarks/go_kubelet/main.go``), built here.
+"""Both sides of a DRA call in Go, built here: the kubelet's (``benchmarks/go_kubelet/main.go``)
+and a reference driver's (``benchmarks/go_driver/main.go``).
 
 The kubelet is a grpc-go client; the stand-in (``tests/kubelet.py``) is a Python one, whose own
 client costs show in every figure taken through it. ``GoKubelet`` makes the same calls with
 grpc-go over the same ``dra.sock``, timed inside the Go process, so a benchmark can print the
-kubelet's view of a call beside the stand-in's.
+kubelet's view of a call beside the stand-in's. ``GoDriver`` serves the same calls with grpc-go
+and takes the steps devplugd takes on their path (the claim's GET, device-info file, CDI spec,
+device metadata, checkpoint), so a benchmark can print what that work costs on the machine
+without Python in it.
 
 ``build`` generates the Go code of ``proto/dra/v1/api.proto`` into a scratch GOPATH and builds
-the client there, offline, with Debian's Go packages (GOPATH mode: Debian ships the Go libraries
+a program there, offline, with Debian's Go packages (GOPATH mode: Debian ships the Go libraries
 as sources under ``/usr/share/gocode``): ``apt-get install golang-go protobuf-compiler
 protoc-gen-go protoc-gen-go-grpc golang-google-grpc-dev golang-google-protobuf-dev``. Without
 them ``build`` says what is missing and a benchmark goes on without the Go rows.
@@ -23,7 +27,7 @@ from typing import IO, Any
 
 from benchmarks._common import REPO_ROOT
 
-GO_SOURCE = REPO_ROOT / "benchmarks" / "go_kubelet" / "main.go"
+PROGRAMS = ("go_kubelet", "go_driver")  # each is benchmarks/<it>/main.go
 DRA_PROTO = REPO_ROOT / "proto" / "dra" / "v1" / "api.proto"
 DEBIAN_GOPATH = "/usr/share/gocode"
 PACKAGE = "devplugd.bench"  # the scratch GOPATH's import path root (main.go imports <it>/drapb)
@@ -34,28 +38,28 @@ DEBIAN_PACKAGES = ("golang-go protobuf-compiler protoc-gen-go protoc-gen-go-grpc
 
 
 class GoBuildError(Exception):
-    """The Go client could not be built (the message: what is missing, or the tool's output)."""
+    """A Go program could not be built (the message: what is missing, or the tool's output)."""
 
 
-def build(workdir: Path) -> Path:
-    """Build the client under ``workdir``; its path. Raises GoBuildError."""
+def build(workdir: Path, program: str = "go_kubelet") -> Path:
+    """Build ``program`` (one of ``PROGRAMS``) under ``workdir``; its path. Raises GoBuildError."""
     missing = [tool for tool in TOOLS if shutil.which(tool) is None]
     if missing or not Path(DEBIAN_GOPATH, "src", "google.golang.org", "grpc").is_dir():
         raise GoBuildError(f"no {', '.join(missing) or 'grpc-go in ' + DEBIAN_GOPATH} "
                            f"(apt-get install {DEBIAN_PACKAGES})")
     gopath = workdir / "gopath"
     source = gopath / "src" / PACKAGE
-    (source / "go_kubelet").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(GO_SOURCE, source / "go_kubelet" / "main.go")
+    (source / program).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(REPO_ROOT / "benchmarks" / program / "main.go", source / program / "main.go")
     mapping = f"M{DRA_PROTO.name}={PACKAGE}/drapb"
-    binary = workdir / "go_kubelet"
+    binary = workdir / program
     # Go's build cache outside the scratch directory: compiling grpc-go takes a minute, once
     env = {**os.environ, "GO111MODULE": "off", "GOPATH": f"{gopath}:{DEBIAN_GOPATH}", "GOCACHE": str(GO_CACHE),
            "GOFLAGS": "", "CGO_ENABLED": "0"}
     for command in (
         ["protoc", f"-I{DRA_PROTO.parent}", f"--go_out={gopath / 'src'}", f"--go_opt={mapping}",
          f"--go-grpc_out={gopath / 'src'}", f"--go-grpc_opt={mapping}", DRA_PROTO.name],
-        ["go", "build", "-o", str(binary), f"{PACKAGE}/go_kubelet"],
+        ["go", "build", "-o", str(binary), f"{PACKAGE}/{program}"],
     ):
         done = subprocess.run(command, cwd=DRA_PROTO.parent if command[0] == "protoc" else gopath, env=env,
                               capture_output=True, text=True, check=False)
@@ -95,6 +99,29 @@ class GoKubelet:
     def close(self) -> None:
         if self._process.stdin is not None:
             self._process.stdin.close()
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+class GoDriver:
+    """The built reference driver, serving ``socket`` (the stand-in's claims read from ``api_url``
+    with the bearer ``token``); its log lines go to ``log``."""
+
+    def __init__(self, binary: Path, socket: Path, api_url: str, token: str, driver: str, cdi_dir: Path,
+                 devinfo_dir: Path, state_dir: Path, log: IO[str]) -> None:
+        self._process = subprocess.Popen(
+            [str(binary), str(socket), api_url, driver, str(cdi_dir), str(devinfo_dir), str(state_dir)],
+            env={**os.environ, "API_TOKEN": token},
+            stdout=subprocess.PIPE, stderr=log, text=True)
+        assert self._process.stdout is not None
+        if self._process.stdout.readline().strip() != "serving":
+            raise GoBuildError(f"the Go driver did not start (exit {self._process.wait()}); see {log.name}")
+
+    def close(self) -> None:
+        self._process.terminate()
         try:
             self._process.wait(timeout=5)
         except subprocess.TimeoutExpired:

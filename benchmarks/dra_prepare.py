@@ -14,7 +14,11 @@ UID, one result: request ``vf``, the next VF of the pool in turn). Every other r
 two calls with grpc-go instead (``benchmarks/_go_kubelet.py``: the kubelet is a grpc-go client,
 the stand-in a Python one, whose own costs are in its figures), timed inside the Go process, over
 the same socket; that is the figure the target is read against (the stand-in's when Go and
-Debian's grpc-go are not installed: the reason is printed). A stand-in round:
+Debian's grpc-go are not installed: the reason is printed). After each such round the Go client
+makes the same two calls, for a claim of its own (``ref-N``), to a reference driver in Go
+(``benchmarks/go_driver/main.go``: the same GET, device-info file, CDI spec, device metadata
+and checkpoint write, on the same filesystems, with grpc-go and no Python): what the path costs
+on this machine whatever the driver is written in. A stand-in round:
 
 1. **prepare**: ``kubelet.prepare([claim])``, timed as the kubelet's gRPC client sees it (the
    stand-in's stub call to its answer, on its loop: ``DraDriverState.call_seconds``), and around
@@ -43,6 +47,7 @@ has them). Never asserts timings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -60,11 +65,12 @@ from benchmarks._common import (
 )
 from benchmarks._common import vf_address as sriov_vf_address
 from benchmarks._events import Seam, clean_up, cpu_by_thread_name, latency_row, revision_line, thread_cpu_ns
-from benchmarks._go_kubelet import GoBuildError, GoKubelet, build
+from benchmarks._go_kubelet import GoBuildError, GoDriver, GoKubelet, build
 from benchmarks.dra_common import (
     DRIVER,
     NODE,
     POOL,
+    TOKEN,
     StampedApiServer,
     build_dra_host,
     dra_bytecode_env,
@@ -114,7 +120,7 @@ def time_empty_calls(kubelet: FakeKubelet, count: int = 200, gap: float = 0.0) -
 
 
 def go_round(go_kubelet: GoKubelet, ref: tuple[str, str, str], device: str, gap: float) -> tuple[float, float] | None:
-    """One round through the Go client: prepare ``ref``, ``gap``, unprepare, ``gap``; the two
+    """One round through a Go client: prepare ``ref``, ``gap``, unprepare, ``gap``; the two
     calls' seconds as grpc-go timed them, or None (printed) when an answer was not the device."""
     namespace, uid, claim_name = ref
     prepared, answer = go_kubelet.prepare(ref)
@@ -243,17 +249,23 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     print(machine_line(), flush=True)
     print(revision_line(), flush=True)
-    with short_tmp() as base, host_tmp() as host_dir:
+    with short_tmp() as base, host_tmp() as host_dir, contextlib.ExitStack() as stack:
         env = dra_bytecode_env(base)
         go_binary: Path | str
+        go_driver_binary: Path | None = None
         try:
             go_binary = build(base / "go")
+            go_driver_binary = build(base / "go", "go_driver")
         except GoBuildError as error:
             go_binary = str(error)
         go_kubelet: GoKubelet | None = None
         go_prepare: list[float] = []  # as the Go client (grpc-go, the kubelet's) sees them
         go_unprepare: list[float] = []
         go_idle: list[float] = []
+        reference: tuple[GoDriver, GoKubelet] | None = None  # the Go driver, and a Go client of it
+        reference_prepare: list[float] = []
+        reference_unprepare: list[float] = []
+        reference_idle: list[float] = []
         host, _, per_pf = build_dra_host(host_dir / "host", vfs)
         api = StampedApiServer().start()
         api.add_node(NODE)
@@ -271,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
             kubelet.wait_for_dra(DRIVER, timeout=30)
             if isinstance(go_binary, Path):
                 go_kubelet = GoKubelet(go_binary, kubelet.dra_state(DRIVER).endpoint)
+            if isinstance(go_binary, Path) and go_driver_binary is not None:
+                driver_log = stack.enter_context((base / "go-driver.log").open("w"))
+                go_driver = GoDriver(go_driver_binary, base / "go-driver.sock", api.url, TOKEN, DRIVER, host_dir / "go-cdi",
+                                     host_dir / "go-devinfo", base / "go-state", driver_log)
+                reference = (go_driver, GoKubelet(go_binary, str(base / "go-driver.sock")))
             print(f"driver registered with the kubelet stand-in and the pool published "
                   f"{time.monotonic() - daemon.started_mono:.2f} s after Popen", flush=True)
             time.sleep(0.3)
@@ -305,6 +322,16 @@ def main(argv: list[str] | None = None) -> int:
                     elif timed:
                         go_prepare.append(seconds[0])
                         go_unprepare.append(seconds[1])
+                    if reference is not None:  # and the same with the reference driver in Go
+                        uid = api.put_claim(NAMESPACE, f"ref-{number}", results=[
+                            {"request": "vf", "driver": DRIVER, "pool": POOL, "device": name}], config=claim_config)
+                        seconds = go_round(reference[1], (NAMESPACE, uid, f"ref-{number}"), name, arguments.gap)
+                        api.delete_claim(NAMESPACE, f"ref-{number}")
+                        if seconds is None:
+                            wrong += 1
+                        elif timed:
+                            reference_prepare.append(seconds[0])
+                            reference_unprepare.append(seconds[1])
                     continue
                 with api._cond:
                     handled_before = len(api.handled)
@@ -352,12 +379,15 @@ def main(argv: list[str] | None = None) -> int:
             assert cpu_before is not None
             used = cpu_by_thread_name(cpu_before, thread_cpu_ns(daemon.pid), daemon.pid)
             with api._cond:
-                requests = requests_by_kind([r for r in api.handled[timed_from:] if not r.watch])
+                requests = requests_by_kind([r for r in api.handled[timed_from:]
+                                             if not r.watch and "/resourceclaims/ref-" not in r.path])
             hop = time_hop(kubelet)
             empty_prepare, empty_unprepare = time_empty_calls(kubelet)
             idle_prepare, _ = time_empty_calls(kubelet, gap=arguments.gap)
             if go_kubelet is not None:
                 go_idle = time_go_empty_calls(go_kubelet, gap=arguments.gap)
+            if reference is not None:
+                reference_idle = time_go_empty_calls(reference[1], gap=arguments.gap)
             direct_client, direct_server = time_direct_get(api, base / "kubeconfig")
             idle_get, _ = time_direct_get(api, base / "kubeconfig", gap=arguments.gap)
             code, stop_seconds = daemon.stop()
@@ -368,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             clean_up(daemon.kill, kubelet.close, api.close, seam.close,
-                     *([go_kubelet.close] if go_kubelet is not None else []))
+                     *([go_kubelet.close] if go_kubelet is not None else []),
+                     *([reference[1].close, reference[0].close] if reference is not None else []))
         in_place, renamed = time_checkpoint_writes(base)
         metadata_dirs = time_metadata_dirs(base)
 
@@ -382,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
                           width=WIDTH))
     else:
         print(f"\nno grpc-go client: {go_binary}")
+    if reference_prepare:
+        print("  the same steps by the reference driver in Go (benchmarks/go_driver), after each of those rounds:")
+        print(latency_row("  NodePrepareResources (1 claim)", reference_prepare, width=WIDTH))
+        print(latency_row("  NodeUnprepareResources", reference_unprepare, width=WIDTH))
+        print(latency_row(f"  NodePrepareResources of no claims, {arguments.gap * 1000:g} ms apart", reference_idle,
+                          width=WIDTH))
     print(f"\nround trips through the kubelet stand-in{', the other rounds' if go_prepare else ''} "
           f"({arguments.warmup} warm-up rounds not counted), as its (Python) gRPC client sees them:")
     print(latency_row("NodePrepareResources (1 claim)", prepare, width=WIDTH))
@@ -422,6 +459,12 @@ def main(argv: list[str] | None = None) -> int:
           f"({'within target' if p50 <= TARGET_PREPARE_P50 else 'OVER target'}; {whose}); through the Python "
           f"stand-in p50 {percentile(prepare, 50) * 1000:.2f} ms; unprepare p50 "
           f"{percentile(unprepare_view, 50) * 1000:.2f} ms")
+    if reference_prepare:
+        p50 = percentile(reference_prepare, 50)
+        print(f"        the same steps by a Go driver on this machine: prepare p50 {p50 * 1000:.2f} ms, "
+              f"p90 {percentile(reference_prepare, 90) * 1000:.2f} ms "
+              f"({'within target' if p50 <= TARGET_PREPARE_P50 else 'OVER target'}); unprepare p50 "
+              f"{percentile(reference_unprepare, 50) * 1000:.2f} ms")
     return 0
 
 
