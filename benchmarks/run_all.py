@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "guest_usb": ("guest_usb", ()),
     "dra_slices": ("dra_slices", ()),
     "dra_prepare": ("dra_prepare", ()),
+    "dra_stack": ("dra_stack", ()),
     "dra_publish_4096": ("dra_publish_4096", ()),
     "dra_taints": ("dra_taints", ()),
 }
