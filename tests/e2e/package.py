@@ -33,13 +33,20 @@ def newest_packaged_change() -> float:
     return max((REPO_ROOT / name).stat().st_mtime for name in listed if name and (REPO_ROOT / name).exists())
 
 
+def newest_deb(arch: str) -> Path | None:
+    found = sorted(DIST.glob(f"devplugd_*_{arch}.deb"), key=lambda path: path.stat().st_mtime)
+    return found[-1] if found else None
+
+
 def existing_deb(arch: str = HOST_ARCH) -> Path | None:
+    """The .deb of ``arch`` if it is up to date: its mtime (when its build started, see
+    ``DebBuild.result``) is not older than any file it is built from."""
     if arch == HOST_ARCH and (override := os.environ.get("DEVPLUGD_E2E_DEB")):
         return Path(override)
-    found = sorted(DIST.glob(f"devplugd_*_{arch}.deb"), key=lambda path: path.stat().st_mtime)
-    if not found or found[-1].stat().st_mtime < newest_packaged_change():
+    deb = newest_deb(arch)
+    if deb is None or deb.stat().st_mtime < newest_packaged_change():
         return None
-    return found[-1]
+    return deb
 
 
 class DebBuild:
@@ -52,6 +59,7 @@ class DebBuild:
         self.seconds = 0.0
         self.output = ""
         self._started = time.monotonic()
+        self._started_wall = time.time()
         self._process: subprocess.Popen[str] | None = None
         if self.deb is None:
             command = ["make", "deb"] if arch == HOST_ARCH else ["make", "deb", f"ARCH={arch}"]
@@ -65,9 +73,12 @@ class DebBuild:
             self.seconds = time.monotonic() - self._started
             if self._process.returncode != 0:
                 raise AssertionError(f"`make deb` exited {self._process.returncode}:\n{output[-6000:]}")
-            self.deb = existing_deb(self.arch)
-            if self.deb is None:
+            self.deb = newest_deb(self.arch)
+            if self.deb is None or self.deb.stat().st_mtime < self._started_wall:
                 raise AssertionError(f"`make deb` left no {DIST}/devplugd_*_{self.arch}.deb:\n{output[-3000:]}")
+            # dated when its build started: a source edited while it ran (the arm64 build takes
+            # minutes) is newer than the .deb, so the next run builds it again
+            os.utime(self.deb, (self._started_wall, self._started_wall))
         assert self.deb is not None
         return self.deb
 
