@@ -44,9 +44,11 @@ def write(path: Path, text: str) -> None:
 
 
 def driver_of(address: str) -> str | None:
-    """The bound driver's name, or None."""
-    link = PCI_DEVICES / address / "driver"
-    return os.path.basename(os.readlink(link)) if link.is_symlink() else None
+    """The bound driver's name, or None (also when the link goes while it is read: an unbind)."""
+    try:
+        return os.path.basename(os.readlink(PCI_DEVICES / address / "driver"))
+    except FileNotFoundError:
+        return None
 
 
 def iommu_group_of(address: str) -> str:
