@@ -99,11 +99,7 @@ class GoKubelet:
     def close(self) -> None:
         if self._process.stdin is not None:
             self._process.stdin.close()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        _wait_or_kill(self._process)
 
 
 class GoDriver:
@@ -122,8 +118,13 @@ class GoDriver:
 
     def close(self) -> None:
         self._process.terminate()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        _wait_or_kill(self._process)
+
+
+def _wait_or_kill(process: subprocess.Popen[str]) -> None:
+    """Wait up to 5 s for a program told to end (its stdin closed, or SIGTERM), then kill it."""
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
