@@ -233,12 +233,17 @@ func (d *driver) prepare(ref *dra.Claim, claim *resourceClaim) (*dra.NodePrepare
 		delete(d.claims, ref.Uid)
 		return nil, fmt.Errorf("cannot write the checkpoint: %w", err)
 	}
+	return prepared.answer(), nil
+}
+
+// answer is the kubelet's answer for a prepared claim: its devices with their CDI IDs.
+func (claim preparedClaim) answer() *dra.NodePrepareResourceResponse {
 	answer := &dra.NodePrepareResourceResponse{}
-	for _, device := range prepared.Devices {
+	for _, device := range claim.Devices {
 		answer.Devices = append(answer.Devices, &dra.Device{RequestNames: []string{device.Request},
 			PoolName: device.Pool, DeviceName: device.Device, CdiDeviceIds: device.CDIIDs})
 	}
-	return answer, nil
+	return answer
 }
 
 func (d *driver) NodePrepareResources(ctx context.Context, request *dra.NodePrepareResourcesRequest) (*dra.NodePrepareResourcesResponse, error) {
@@ -256,11 +261,7 @@ func (d *driver) NodePrepareResources(ctx context.Context, request *dra.NodePrep
 		var answer *dra.NodePrepareResourceResponse
 		err := failures[i]
 		if known, ok := d.claims[ref.Uid]; ok {
-			answer = &dra.NodePrepareResourceResponse{}
-			for _, device := range known.Devices {
-				answer.Devices = append(answer.Devices, &dra.Device{RequestNames: []string{device.Request},
-					PoolName: device.Pool, DeviceName: device.Device, CdiDeviceIds: device.CDIIDs})
-			}
+			answer = known.answer()
 		} else if err == nil {
 			answer, err = d.prepare(ref, claims[i])
 		}
